@@ -1,0 +1,50 @@
+# The two commands a newcomer runs are `make demo` and `make test`; everything else is a step of those.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PY := .venv/bin/python
+VENV_STAMP := .venv/.deps
+
+.PHONY: help setup binaries test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean
+
+help:
+	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
+	@echo "make test    - install everything needed, then lint and run the whole test suite"
+	@echo "make crds    - regenerate crds/ from the pydantic models"
+	@echo "make cluster-up / cluster-down - a local control plane with KWOK GPU nodes, for kubectl"
+
+$(VENV_STAMP): pyproject.toml hack/setup-env.sh
+	@bash hack/setup-env.sh
+
+setup: $(VENV_STAMP)
+
+binaries:
+	@bash hack/build-binaries.sh >/dev/null
+
+lint: setup
+	@echo "[lint] ruff"
+	@$(PY) -m ruff check .
+	@echo "[lint] import-linter (layering from docs/design: config -> models -> builders/status -> k8s -> handlers)"
+	@.venv/bin/lint-imports --no-cache
+
+crds: setup
+	@$(PY) -m sharded_operator.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml
+	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
+
+test: setup binaries lint
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane) and e2e tiers"
+	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
+
+test-unit: setup
+	@$(PY) -m pytest -v -m "not integration and not trainer and not e2e"
+
+cluster-up: setup binaries
+	@$(PY) hack/localcluster.py up --dir .cluster >/dev/null
+
+cluster-down: setup
+	@$(PY) hack/localcluster.py down --dir .cluster
+
+demo: setup binaries
+	@$(PY) hack/demo.py
+
+clean: cluster-down
+	rm -rf .venv .pytest_cache .ruff_cache

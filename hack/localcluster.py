@@ -1,0 +1,445 @@
+"""A real local Kubernetes control plane on loopback: etcd, kube-apiserver, controller-manager,
+scheduler and KWOK fake GPU nodes, started from the binaries hack/build-binaries.sh builds.
+
+Used by the test fixtures and from the command line:
+
+    python hack/localcluster.py up [--dir .cluster] [--gpu-nodes 4]   # prints the kubeconfig path
+    python hack/localcluster.py down [--dir .cluster]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+SERVICE_CIDR = "10.96.0.0/16"
+POD_CIDR = "10.244.0.0/16"
+GPU_NODE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"}
+
+
+def binaries_dir() -> Path:
+    """Build (or find cached) control-plane binaries and return their directory."""
+    override = os.environ.get("SHARDED_BIN_DIR")
+    if override:
+        return Path(override)
+    out = subprocess.run(
+        ["bash", str(ROOT / "hack" / "build-binaries.sh")], check=True, stdout=subprocess.PIPE, text=True
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# --- certificates -------------------------------------------------------------------------------
+
+
+def _write_pki(pki: Path) -> None:
+    """A CA, the API server's serving cert, an admin client cert and the service-account key pair."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    pki.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    later = now + datetime.timedelta(days=365)
+
+    def key() -> rsa.RSAPrivateKey:
+        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    def write_key(k: rsa.RSAPrivateKey, name: str) -> None:
+        (pki / name).write_bytes(
+            k.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.TraditionalOpenSSL,
+                serialization.NoEncryption(),
+            )
+        )
+
+    def name(cn: str, org: str | None = None) -> x509.Name:
+        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+        if org:
+            attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+        return x509.Name(attrs)
+
+    ca_key = key()
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("sharded-local-ca"))
+        .issuer_name(name("sharded-local-ca"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(later)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    write_key(ca_key, "ca.key")
+    (pki / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+    def leaf(file: str, subject: x509.Name, server: bool) -> None:
+        k = key()
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca.subject)
+            .public_key(k.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(later)
+        )
+        if server:
+            import ipaddress
+
+            sans = [
+                x509.DNSName("localhost"),
+                x509.DNSName("kubernetes"),
+                x509.DNSName("kubernetes.default.svc"),
+                x509.IPAddress(ipaddress.ip_address(HOST)),
+                x509.IPAddress(ipaddress.ip_address("10.96.0.1")),
+            ]
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            usage = x509.oid.ExtendedKeyUsageOID.SERVER_AUTH
+        else:
+            usage = x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH
+        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        write_key(k, f"{file}.key")
+        (pki / f"{file}.crt").write_bytes(b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+
+    leaf("apiserver", name("kube-apiserver"), server=True)
+    leaf("admin", name("admin", "system:masters"), server=False)
+    sa = key()
+    write_key(sa, "sa.key")
+    (pki / "sa.pub").write_bytes(
+        sa.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+
+
+def _kubeconfig(pki: Path, server: str) -> dict:
+    import base64
+
+    def b64(f: str) -> str:
+        return base64.b64encode((pki / f).read_bytes()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "local", "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")}}
+        ],
+        "users": [
+            {
+                "name": "admin",
+                "user": {"client-certificate-data": b64("admin.crt"), "client-key-data": b64("admin.key")},
+            }
+        ],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "admin", "namespace": "default"}}],
+        "current-context": "local",
+    }
+
+
+# --- the cluster --------------------------------------------------------------------------------
+
+
+@dataclass
+class LocalCluster:
+    """The control-plane processes of one local cluster, rooted at `workdir`."""
+
+    workdir: Path
+    bin_dir: Path
+    gpu_nodes: int = 4
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    api_port: int = 0
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def server(self) -> str:
+        return f"https://{HOST}:{self.api_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        # A session of its own, so stop() can kill the whole process group even if we die first.
+        proc = subprocess.Popen(
+            [str(self.bin_dir / args[0]), *args[1:]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.procs[name] = proc
+        (self.workdir / "pids").mkdir(exist_ok=True)
+        (self.workdir / "pids" / name).write_text(str(proc.pid))
+
+    def start(self, timeout: float = 120) -> LocalCluster:
+        """Start every component, wait until the API server is ready and the GPU nodes are Ready."""
+        started = time.monotonic()
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        pki = self.workdir / "pki"
+        _write_pki(pki)
+        self.api_port = free_port()
+        etcd_port, etcd_peer = free_port(), free_port()
+        self.kubeconfig.write_text(json.dumps(_kubeconfig(pki, self.server), indent=2))
+        kc = str(self.kubeconfig)
+        try:
+            self._spawn(
+                "etcd",
+                [
+                    "etcd",
+                    f"--data-dir={self.workdir / 'etcd'}",
+                    f"--listen-client-urls=http://{HOST}:{etcd_port}",
+                    f"--advertise-client-urls=http://{HOST}:{etcd_port}",
+                    f"--listen-peer-urls=http://{HOST}:{etcd_peer}",
+                    f"--initial-advertise-peer-urls=http://{HOST}:{etcd_peer}",
+                    f"--initial-cluster=default=http://{HOST}:{etcd_peer}",
+                    "--unsafe-no-fsync",  # test data only; fsync dominates startup on slow disks
+                    "--log-level=warn",
+                ],
+            )
+            self._spawn(
+                "kube-apiserver",
+                [
+                    "kube-apiserver",
+                    f"--etcd-servers=http://{HOST}:{etcd_port}",
+                    f"--bind-address={HOST}",
+                    f"--advertise-address={HOST}",
+                    f"--secure-port={self.api_port}",
+                    f"--tls-cert-file={pki / 'apiserver.crt'}",
+                    f"--tls-private-key-file={pki / 'apiserver.key'}",
+                    f"--client-ca-file={pki / 'ca.crt'}",
+                    f"--service-account-key-file={pki / 'sa.pub'}",
+                    f"--service-account-signing-key-file={pki / 'sa.key'}",
+                    "--service-account-issuer=https://kubernetes.default.svc",
+                    "--api-audiences=https://kubernetes.default.svc",
+                    "--authorization-mode=Node,RBAC",
+                    f"--service-cluster-ip-range={SERVICE_CIDR}",
+                    "--allow-privileged=true",
+                    "--enable-priority-and-fairness=false",
+                    "--endpoint-reconciler-type=none",
+                    "--v=1",
+                ],
+            )
+            self._wait_ready(timeout - (time.monotonic() - started))
+            self._spawn(
+                "kube-controller-manager",
+                [
+                    "kube-controller-manager",
+                    f"--kubeconfig={kc}",
+                    f"--authentication-kubeconfig={kc}",
+                    f"--authorization-kubeconfig={kc}",
+                    f"--bind-address={HOST}",
+                    f"--secure-port={free_port()}",
+                    "--leader-elect=false",
+                    f"--service-account-private-key-file={pki / 'sa.key'}",
+                    f"--root-ca-file={pki / 'ca.crt'}",
+                    f"--service-cluster-ip-range={SERVICE_CIDR}",
+                    "--v=1",
+                ],
+            )
+            self._spawn(
+                "kube-scheduler",
+                [
+                    "kube-scheduler",
+                    f"--kubeconfig={kc}",
+                    f"--authentication-kubeconfig={kc}",
+                    f"--authorization-kubeconfig={kc}",
+                    f"--bind-address={HOST}",
+                    f"--secure-port={free_port()}",
+                    "--leader-elect=false",
+                    "--v=1",
+                ],
+            )
+            self._spawn(
+                "kwok",
+                [
+                    "kwok",
+                    f"--kubeconfig={kc}",
+                    f"--config={ROOT / 'hack' / 'kwok-stages.yaml'}",
+                    "--manage-nodes-with-label-selector=type=kwok",
+                    f"--cidr={POD_CIDR}",
+                    f"--node-ip={HOST}",
+                    f"--server-address={HOST}:{free_port()}",
+                ],
+            )
+            for i in range(self.gpu_nodes):
+                self.add_gpu_node(f"gpu-node-{i}")
+            self._wait_nodes_ready(timeout - (time.monotonic() - started))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def api(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One JSON request to the API server as the cluster admin."""
+        ctx = ssl.create_default_context(cafile=str(self.workdir / "pki" / "ca.crt"))
+        ctx.load_cert_chain(self.workdir / "pki" / "admin.crt", self.workdir / "pki" / "admin.key")
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.server + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode()}
+
+    def add_gpu_node(self, name: str, capacity: dict[str, str] | None = None) -> None:
+        """Register a KWOK-managed node that advertises `nvidia.com/gpu` capacity."""
+        cap = capacity or GPU_NODE_CAPACITY
+        self.api(
+            "POST",
+            "/api/v1/nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        "type": "kwok",
+                        "kubernetes.io/hostname": name,
+                        "kubernetes.io/os": "linux",
+                        "nvidia.com/gpu.present": "true",
+                    },
+                    "annotations": {"kwok.x-k8s.io/node": "fake"},
+                },
+                "status": {"capacity": cap, "allocatable": cap},
+            },
+        )
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during startup:\n{tail}")
+            try:
+                if self.api("GET", "/readyz").get("raw") == "ok":
+                    return
+            except Exception as e:  # not listening yet, or a check still failing
+                last = str(e)
+            time.sleep(0.5)
+        raise TimeoutError(f"kube-apiserver not ready after {timeout:.0f}s: {last}")
+
+    def _wait_nodes_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            nodes = self.api("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
+            ready = [
+                n
+                for n in nodes
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+            ]
+            if len(ready) >= self.gpu_nodes:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"KWOK nodes not Ready after {timeout:.0f}s; see {self.workdir / 'logs' / 'kwok.log'}")
+
+    def stop(self) -> None:
+        """Kill every component (whole process groups), also those of an earlier crashed launcher."""
+        stop_dir(self.workdir)
+        self.procs.clear()
+
+
+def stop_dir(workdir: Path) -> None:
+    """Stop the processes whose pid files are under `workdir/pids`, newest component first."""
+    pid_dir = workdir / "pids"
+    if not pid_dir.is_dir():
+        return
+    order = ["kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
+    files = sorted(pid_dir.iterdir(), key=lambda p: order.index(p.name) if p.name in order else -1)
+    for f in files:
+        pid = int(f.read_text())
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        f.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    except ChildProcessError:
+        pass  # not our child (started by another launcher): fall back to a signal probe
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def running_cluster(gpu_nodes: int = 4, workdir: Path | None = None):
+    """Context manager: a started cluster, torn down on exit whatever happened inside."""
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="sharded-cluster-"))
+    cluster = LocalCluster(workdir=tmp, bin_dir=binaries_dir(), gpu_nodes=gpu_nodes)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "down"])
+    parser.add_argument("--dir", type=Path, default=ROOT / ".cluster", help="state directory")
+    parser.add_argument("--gpu-nodes", type=int, default=4, help="KWOK nodes with 8 GPUs each")
+    args = parser.parse_args(argv)
+    workdir = args.dir.resolve()
+    if args.command == "down":
+        stop_dir(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"stopped the cluster in {workdir}", file=sys.stderr)
+        return 0
+    stop_dir(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    started = time.monotonic()
+    cluster = LocalCluster(workdir=workdir, bin_dir=binaries_dir(), gpu_nodes=args.gpu_nodes).start()
+    print(
+        f"cluster ready in {time.monotonic() - started:.0f}s (API {cluster.server}, logs in {workdir / 'logs'})\n"
+        f"  export KUBECONFIG={cluster.kubeconfig}\n"
+        f"  export PATH={cluster.bin_dir}:$PATH   # kubectl and helm\n"
+        f"stop it with: make cluster-down",
+        file=sys.stderr,
+    )
+    print(cluster.kubeconfig)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The trainer's configuration: pure pydantic (no torch import), embedded in the CRD by the operator."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+# Environment variables torchrun and the operator own; a user value would break the rendezvous.
+RESERVED_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
+RESERVED_ENV_PREFIX = "PET_"
+
+
+class Model(BaseModel):
+    """Base for every config and API model: camelCase on the wire, unknown keys rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True
+    )
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class ModelConfig(Model):
+    """Which network to train."""
+
+    preset: Literal["tiny", "llama-125m", "llama-1b", "llama-8b"] = Field(
+        "tiny",
+        description="Llama-style decoder shape: tiny (CPU tests), llama-125m, llama-1b (dim 2048, 16 layers, "
+        "32 heads, 8 KV heads, FFN 8192, vocab 128256, tied embeddings) or llama-8b.",
+    )
+    vocab_size: int | None = Field(
+        None, ge=2, le=1_048_576, description="Override the preset's vocabulary size (must cover the data's tokens)."
+    )
+
+
+class DataConfig(Model):
+    """Where training tokens come from."""
+
+    source: Literal["synthetic", "learnable", "tokens"] = Field(
+        "learnable",
+        description="synthetic: random tokens (throughput benchmarks); learnable: a deterministic sequence task "
+        "whose loss must fall (tests, demos); tokens: a pre-tokenized memory-mapped file at `path`.",
+    )
+    path: str | None = Field(None, description="Pre-tokenized token file, required when source is `tokens`.")
+    dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of the token file.")
+    seed: int = Field(1234, description="Seed of the synthetic generators and of the sampling order.")
+
+    @model_validator(mode="after")
+    def _path_for_tokens(self) -> DataConfig:
+        if self.source == "tokens" and not self.path:
+            raise ValueError("data.path is required when data.source is 'tokens': give the token file's path")
+        return self
+
+
+class OptimizerConfig(Model):
+    """AdamW settings."""
+
+    name: Literal["adamw"] = Field("adamw", description="Optimizer; AdamW (fused on GPU).")
+    lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate.")
+    weight_decay: float = Field(0.1, ge=0, le=1, description="Decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+
+
+class ScheduleConfig(Model):
+    """Learning-rate schedule: linear warmup, then decay to `minLrRatio` of the peak."""
+
+    warmup_steps: int = Field(10, ge=0, description="Steps of linear warmup from 0 to the peak LR.")
+    decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="Shape of the decay after warmup.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
+
+
+class FsdpOptions(Model):
+    """PyTorch FSDP2 (`fully_shard`) options."""
+
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (ZeRO-3 memory); false keeps them (faster)."
+    )
+    cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer state in CPU memory.")
+    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    prefetch: int = Field(
+        1, ge=0, le=4, description="Blocks whose all-gather is issued ahead (forward and backward prefetch)."
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Dtype of gradient reduce-scatter; fp32 keeps reduction exact under bf16 params."
+    )
+
+
+class Zero2Options(Model):
+    """DeepSpeed ZeRO stage 2 options."""
+
+    overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into one buffer to avoid fragmentation.")
+    reduce_bucket_size: int = Field(
+        500_000_000, ge=1_000_000, description="Elements per gradient reduce bucket."
+    )
+    allgather_bucket_size: int = Field(
+        500_000_000, ge=1_000_000, description="Elements per parameter all-gather bucket."
+    )
+    cpu_offload_optimizer: bool = Field(False, description="Keep optimizer state on CPU (ZeRO-Offload).")
+    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+
+
+class StrategyConfig(Model):
+    """The one switch between FSDP2 and ZeRO-2, with each one's options."""
+
+    type: Literal["fsdp", "zero2"] = Field("fsdp", description="fsdp (PyTorch FSDP2) or zero2 (DeepSpeed ZeRO-2).")
+    fsdp: FsdpOptions = Field(default_factory=FsdpOptions, description="Used when type is fsdp.")
+    zero2: Zero2Options = Field(default_factory=Zero2Options, description="Used when type is zero2.")
+
+
+class TrainingSpec(Model):
+    """What to train and for how long: the part of the trainer config a job's author writes."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The network.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The token source.")
+    steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps to train for.")
+    micro_batch_size: int = Field(2, ge=1, le=4096, description="Sequences per process per forward pass.")
+    grad_accum_steps: int = Field(1, ge=1, le=1024, description="Micro-batches accumulated per optimizer step.")
+    seq_len: int = Field(128, ge=8, le=131_072, description="Tokens per sequence.")
+    precision: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="Parameter/compute dtype; bf16 on CPU falls back to fp32 compute where unsupported."
+    )
+    grad_clip_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
+    seed: int = Field(0, description="Seed of parameter initialisation.")
+    log_every: int = Field(10, ge=1, description="Emit a metrics line every this many steps.")
+
+
+class CheckpointPolicy(Model):
+    """How often the trainer saves, how many it keeps, and whether it resumes."""
+
+    interval: int = Field(50, ge=1, description="Save every this many steps (and at the last step).")
+    keep_last: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
+    async_save: bool = Field(
+        False, alias="async", description="FSDP only: write in the background while training continues."
+    )
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint at start.")
+
+
+class CheckpointConfig(CheckpointPolicy):
+    """The trainer's checkpoint settings: the policy plus the directory to write to."""
+
+    dir: str | None = Field(None, description="Checkpoint root directory; unset disables checkpointing.")
+
+
+class TrainerConfig(TrainingSpec):
+    """The whole config `python -m sharded_trainer --config FILE` reads."""
+
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="FSDP2 or ZeRO-2.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Process-group backend; auto is nccl with GPUs, gloo without."
+    )
+    progress_file: str | None = Field(
+        None, description="Rank 0 rewrites this JSON file with its latest progress (read by the operator)."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainerConfig:
+        if self.strategy.type == "fsdp" and self.precision == "fp16":
+            raise ValueError(
+                "precision: fp16 needs a loss scaler that FSDP2 does not provide; use bf16, or strategy.type zero2"
+            )
+        if self.checkpoint.async_save and self.strategy.type != "fsdp":
+            raise ValueError("checkpoint.async is supported for strategy.type fsdp only; set it to false for zero2")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config a user wrote is invalid; the message names every offending field."""
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem: `field.path: message (got value)`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        got = "" if e["type"] in ("missing", "value_error") else f" (got {e.get('input')!r})"
+        msg = e["msg"].removeprefix("Value error, ")
+        where = f"{prefix}{loc}: " if loc else prefix
+        lines.append(f"{where}{msg}{got}")
+    return "\n".join(lines)
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> TrainerConfig:
+    """Read a YAML/JSON config file, apply `a.b=value` overrides, validate. Raises ConfigError."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(raw).__name__}")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. steps=20)")
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p} is not a mapping")
+        node[parts[-1]] = yaml.safe_load(value)
+    try:
+        return TrainerConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"invalid trainer config {path}:\n{format_validation_error(e)}") from e

@@ -92,9 +92,7 @@ def _write_pki(pki: Path) -> None:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(later)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
-        )
+        .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
     write_key(ca_key, "ca.key")
@@ -147,9 +145,7 @@ def _kubeconfig(pki: Path, server: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [
-            {"name": "local", "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")}}
-        ],
+        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")}}],
         "users": [
             {
                 "name": "admin",

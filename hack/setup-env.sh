@@ -57,7 +57,9 @@ if [ ! -f .venv/.deps ] || [ "$(cat .venv/.deps)" != "$deps_venv" ]; then
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   # Console scripts of the dependencies, run by this checkout's interpreter so the project is importable.
   for tool in ruff lint-imports torchrun kopf pytest deepspeed; do
-    if [ -e "$deps_venv/bin/$tool" ]; then
+    if [ -e "$deps_venv/bin/$tool" ] && ! head -c2 "$deps_venv/bin/$tool" | grep -q '#!'; then
+      ln -sf "$deps_venv/bin/$tool" ".venv/bin/$tool"  # a native binary (ruff)
+    elif [ -e "$deps_venv/bin/$tool" ]; then
       printf '#!/bin/sh\nexec "%s" "%s" "$@"\n' "$root/.venv/bin/python" "$deps_venv/bin/$tool" > ".venv/bin/$tool"
       chmod +x ".venv/bin/$tool"
     fi

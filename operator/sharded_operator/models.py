@@ -9,11 +9,12 @@ say) still fails with the same message instead of reaching a pod.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
-
 from sharded_trainer.config import (
     RESERVED_ENV,
     RESERVED_ENV_PREFIX,
@@ -89,7 +90,6 @@ class Resources(ApiModel):
     memory: Quantity | None = _quantity_field("Memory request and limit of each pod, e.g. 512Gi.")
 
 
-
 class InfiniBand(ApiModel):
     """RDMA networking for NCCL across nodes."""
 
@@ -133,9 +133,7 @@ class Elastic(ApiModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "x-kubernetes-validations": [
-                _rule("self.minNodes <= self.maxNodes", "minNodes must not exceed maxNodes")
-            ]
+            "x-kubernetes-validations": [_rule("self.minNodes <= self.maxNodes", "minNodes must not exceed maxNodes")]
         }
     )
     min_nodes: int = Field(..., ge=1, le=1024, description="Fewest nodes training may continue with.")
@@ -160,10 +158,7 @@ class VolumeClaim(ApiModel):
         max_length=3,
         description="Multi-node jobs need ReadWriteMany: every node writes its own shards.",
     )
-    retain_on_delete: bool = Field(
-        True, description="Keep the claim (and the checkpoints) when the job is deleted."
-    )
-
+    retain_on_delete: bool = Field(True, description="Keep the claim (and the checkpoints) when the job is deleted.")
 
 
 class Checkpoint(CheckpointPolicy):
@@ -180,11 +175,15 @@ class Checkpoint(CheckpointPolicy):
         }
     )
     existing_claim: str | None = Field(
-        None, max_length=253, description="Name of an existing PersistentVolumeClaim to store checkpoints in.",
+        None,
+        max_length=253,
+        description="Name of an existing PersistentVolumeClaim to store checkpoints in.",
         json_schema_extra=_immutable("checkpoint.existingClaim"),
     )
     volume_claim: VolumeClaim | None = Field(
-        None, description="Create a PVC named <job>-checkpoints.", json_schema_extra=_immutable("checkpoint.volumeClaim")
+        None,
+        description="Create a PVC named <job>-checkpoints.",
+        json_schema_extra=_immutable("checkpoint.volumeClaim"),
     )
     mount_path: str = Field(
         "/checkpoints", pattern=r"^/.*", max_length=1024, description="Where the claim is mounted in each pod."
@@ -287,8 +286,11 @@ class EnvVar(ApiModel):
 
 
 _ENV_RULE = (
-    "self.all(e, !e.name.startsWith('" + RESERVED_ENV_PREFIX + "') && !(e.name in "
-    + str(list(RESERVED_ENV)).replace('"', "'") + "))"
+    "self.all(e, !e.name.startsWith('"
+    + RESERVED_ENV_PREFIX
+    + "') && !(e.name in "
+    + str(list(RESERVED_ENV)).replace('"', "'")
+    + "))"
 )
 
 
@@ -304,7 +306,8 @@ class PodOverrides(ApiModel):
             "x-kubernetes-validations": [
                 _rule(
                     _ENV_RULE,
-                    "pod.env must not set PET_* or " + ", ".join(RESERVED_ENV)
+                    "pod.env must not set PET_* or "
+                    + ", ".join(RESERVED_ENV)
                     + ": the operator sets them for the rendezvous",
                 )
             ]
@@ -330,76 +333,103 @@ class PodOverrides(ApiModel):
         return env
 
 
-ProcsPerNode = Annotated[
-    int | Literal["auto"],
-    Field(
-        json_schema_extra={
-            "x-kubernetes-int-or-string": True,
-            "x-kubernetes-validations": [
-                _rule(
-                    "type(self) == int ? (self >= 1 && self <= 64) : self == 'auto'",
-                    "procsPerNode must be 'auto' or a number from 1 to 64",
-                )
-            ],
-        }
+_PROCS_SCHEMA = {
+    "x-kubernetes-int-or-string": True,
+    "x-kubernetes-validations": [
+        _rule(
+            "type(self) == int ? (self >= 1 && self <= 64) : self == 'auto'",
+            "procsPerNode must be 'auto' or a number from 1 to 64",
+        ),
+        _rule("self == oldSelf", "procsPerNode is immutable after creation"),
+    ],
+}
+
+
+@dataclass(frozen=True)
+class CrossFieldRule:
+    """One constraint across spec fields, written once: CEL for admission, Python for the operator."""
+
+    field: str  # path under spec the error is reported at
+    message: str
+    cel: str  # evaluated with self = spec
+    holds: Callable[[ShardedTrainingJobSpec], bool]
+
+
+CROSS_FIELD_RULES = [
+    CrossFieldRule(
+        "nodes",
+        "must lie between elastic.minNodes and elastic.maxNodes",
+        "!has(self.elastic) || (self.elastic.minNodes <= self.nodes && self.nodes <= self.elastic.maxNodes)",
+        lambda s: not s.elastic or s.elastic.min_nodes <= s.nodes <= s.elastic.max_nodes,
+    ),
+    CrossFieldRule(
+        "network.infiniband.enabled",
+        "InfiniBand needs GPUs: set resources.gpusPerNode > 0 or disable network.infiniband",
+        "!has(self.network) || !has(self.network.infiniband) || !self.network.infiniband.enabled || "
+        "(has(self.resources) && self.resources.gpusPerNode > 0)",
+        lambda s: not s.network.infiniband.enabled or s.resources.gpus_per_node > 0,
+    ),
+    CrossFieldRule(
+        "network.backend",
+        "nccl needs GPUs: set resources.gpusPerNode > 0 or use backend auto or gloo",
+        "!has(self.network) || !has(self.network.backend) || self.network.backend != 'nccl' || "
+        "(has(self.resources) && self.resources.gpusPerNode > 0)",
+        lambda s: s.network.backend != "nccl" or s.resources.gpus_per_node > 0,
+    ),
+    CrossFieldRule(
+        "procsPerNode",
+        "exceeds resources.gpusPerNode: each process needs a GPU of its own",
+        "!has(self.procsPerNode) || type(self.procsPerNode) != int || !has(self.resources) || "
+        "self.resources.gpusPerNode == 0 || self.procsPerNode <= self.resources.gpusPerNode",
+        lambda s: (
+            not isinstance(s.procs_per_node, int)
+            or s.resources.gpus_per_node == 0
+            or s.procs_per_node <= s.resources.gpus_per_node
+        ),
+    ),
+    CrossFieldRule(
+        "trainer.precision",
+        "fp16 needs a loss scaler that FSDP2 does not provide: use bf16, or strategy.type zero2",
+        "!has(self.strategy) || !has(self.strategy.type) || self.strategy.type != 'fsdp' || "
+        "!has(self.trainer) || !has(self.trainer.precision) || self.trainer.precision != 'fp16'",
+        lambda s: not (s.strategy.type == "fsdp" and s.trainer.precision == "fp16"),
+    ),
+    CrossFieldRule(
+        "checkpoint.async",
+        "asynchronous saves are supported for strategy.type fsdp only",
+        "!has(self.checkpoint) || !has(self.checkpoint.async) || !self.checkpoint.async || "
+        "!has(self.strategy) || !has(self.strategy.type) || self.strategy.type == 'fsdp'",
+        lambda s: not (s.checkpoint and s.checkpoint.async_save and s.strategy.type != "fsdp"),
+    ),
+    CrossFieldRule(
+        "scheduling.gang.enabled",
+        "gang scheduling cannot be combined with elastic: a gang has a fixed size",
+        "!has(self.scheduling) || !has(self.scheduling.gang) || !self.scheduling.gang.enabled || !has(self.elastic)",
+        lambda s: not (s.scheduling.gang.enabled and s.elastic),
     ),
 ]
 
 _SPEC_RULES = [
     _rule(
-        "!has(self.elastic) || (self.elastic.minNodes <= self.nodes && self.nodes <= self.elastic.maxNodes)",
-        "nodes must lie between elastic.minNodes and elastic.maxNodes",
-        field_path=".nodes",
+        "!has(oldSelf.strategy) || !has(self.strategy) || !has(oldSelf.strategy.type) || "
+        "!has(self.strategy.type) || self.strategy.type == oldSelf.strategy.type",
+        "strategy.type is immutable after creation: FSDP and ZeRO-2 checkpoints are not interchangeable",
+        field_path=".strategy.type",
     ),
-    _rule(
-        "!has(self.network) || !has(self.network.infiniband) || !self.network.infiniband.enabled || "
-        "(has(self.resources) && self.resources.gpusPerNode > 0)",
-        "network.infiniband needs GPUs: set resources.gpusPerNode > 0 or disable infiniband",
-        field_path=".network.infiniband.enabled",
-    ),
-    _rule(
-        "!has(self.network) || !has(self.network.backend) || self.network.backend != 'nccl' || "
-        "(has(self.resources) && self.resources.gpusPerNode > 0)",
-        "network.backend nccl needs GPUs: set resources.gpusPerNode > 0 or use backend auto/gloo",
-        field_path=".network.backend",
-    ),
-    _rule(
-        "!has(self.procsPerNode) || type(self.procsPerNode) != int || !has(self.resources) || "
-        "self.resources.gpusPerNode == 0 || self.procsPerNode <= self.resources.gpusPerNode",
-        "procsPerNode exceeds resources.gpusPerNode: each process needs its own GPU",
-        field_path=".procsPerNode",
-    ),
-    _rule(
-        "!has(self.strategy) || !has(self.strategy.type) || self.strategy.type != 'fsdp' || "
-        "!has(self.trainer) || !has(self.trainer.precision) || self.trainer.precision != 'fp16'",
-        "trainer.precision fp16 needs a loss scaler that FSDP2 does not provide: use bf16, or strategy.type zero2",
-        field_path=".trainer.precision",
-    ),
-    _rule(
-        "!has(self.checkpoint) || !has(self.checkpoint.async) || !self.checkpoint.async || "
-        "!has(self.strategy) || !has(self.strategy.type) || self.strategy.type == 'fsdp'",
-        "checkpoint.async is supported for strategy.type fsdp only",
-        field_path=".checkpoint.async",
-    ),
-    _rule(
-        "!has(self.scheduling) || !has(self.scheduling.gang) || !self.scheduling.gang.enabled || "
-        "!has(self.elastic)",
-        "scheduling.gang cannot be combined with elastic: a gang has a fixed size",
-        field_path=".scheduling.gang.enabled",
-    ),
+    *(_rule(r.cel, r.message, field_path="." + r.field) for r in CROSS_FIELD_RULES),
 ]
 
 
 class ShardedTrainingJobSpec(ApiModel):
-    """Desired state of a ShardedTrainingJob: nodes × processes training one model with FSDP2 or ZeRO-2."""
+    """Desired state of a ShardedTrainingJob: nodes x processes training one model with FSDP2 or ZeRO-2."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _SPEC_RULES})
 
     nodes: int = Field(1, ge=1, le=1024, description="Pods (one torchrun agent each, one per node).")
-    procs_per_node: ProcsPerNode = Field(
+    procs_per_node: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
         "auto",
-        description="Processes per pod: 'auto' = resources.gpusPerNode, or 2 on CPU. WORLD_SIZE = nodes × this.",
-        json_schema_extra=_immutable("procsPerNode"),
+        description="Processes per pod: 'auto' = resources.gpusPerNode, or 2 on CPU. WORLD_SIZE = nodes x this.",
+        json_schema_extra=_PROCS_SCHEMA,
     )
     image: str = Field(..., min_length=1, max_length=1024, description="Trainer image (has torchrun and the trainer).")
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="fsdp or zero2, with options.")
@@ -424,26 +454,11 @@ class ShardedTrainingJobSpec(ApiModel):
     scheduling: Scheduling = Field(default_factory=Scheduling, description="Placement and gang scheduling.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Additions to every pod.")
 
-
     @model_validator(mode="after")
     def _cross_field(self) -> ShardedTrainingJobSpec:
-        gpus = self.resources.gpus_per_node
-        if self.elastic and not self.elastic.min_nodes <= self.nodes <= self.elastic.max_nodes:
-            raise ValueError("nodes must lie between elastic.minNodes and elastic.maxNodes")
-        if self.network.infiniband.enabled and gpus == 0:
-            raise ValueError("network.infiniband needs GPUs: set resources.gpusPerNode > 0 or disable infiniband")
-        if self.network.backend == "nccl" and gpus == 0:
-            raise ValueError("network.backend nccl needs GPUs: set resources.gpusPerNode > 0 or use backend auto/gloo")
-        if isinstance(self.procs_per_node, int) and gpus and self.procs_per_node > gpus:
-            raise ValueError("procsPerNode exceeds resources.gpusPerNode: each process needs its own GPU")
-        if self.strategy.type == "fsdp" and self.trainer.precision == "fp16":
-            raise ValueError(
-                "trainer.precision fp16 needs a loss scaler that FSDP2 does not provide: use bf16, or strategy.type zero2"
-            )
-        if self.checkpoint and self.checkpoint.async_save and self.strategy.type != "fsdp":
-            raise ValueError("checkpoint.async is supported for strategy.type fsdp only")
-        if self.scheduling.gang.enabled and self.elastic:
-            raise ValueError("scheduling.gang cannot be combined with elastic: a gang has a fixed size")
+        broken = [f"{r.field}: {r.message}" for r in CROSS_FIELD_RULES if not r.holds(self)]
+        if broken:
+            raise ValueError("; ".join(broken))
         return self
 
 
@@ -502,7 +517,9 @@ class ShardedTrainingJobStatus(ApiModel):
     """Observed state of a ShardedTrainingJob."""
 
     model_config = ConfigDict(extra="ignore")
-    phase: Phase | None = Field(None, description="Pending, Starting, Running, Restarting, Succeeded, Failed, Suspended.")
+    phase: Phase | None = Field(
+        None, description="Pending, Starting, Running, Restarting, Succeeded, Failed, Suspended."
+    )
     message: str | None = Field(None, description="Why the job is in this phase.")
     conditions: list[Condition] = Field(default_factory=list, description="Kubernetes-style conditions.")
     ready: str | None = Field(None, description="Running pods / nodes, e.g. 3/4.")

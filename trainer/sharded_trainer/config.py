@@ -25,9 +25,7 @@ RESERVED_ENV_PREFIX = "PET_"
 class Model(BaseModel):
     """Base for every config and API model: camelCase on the wire, unknown keys rejected."""
 
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True
-    )
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True)
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -106,9 +104,7 @@ class Zero2Options(Model):
 
     overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into one buffer to avoid fragmentation.")
-    reduce_bucket_size: int = Field(
-        500_000_000, ge=1_000_000, description="Elements per gradient reduce bucket."
-    )
+    reduce_bucket_size: int = Field(500_000_000, ge=1_000_000, description="Elements per gradient reduce bucket.")
     allgather_bucket_size: int = Field(
         500_000_000, ge=1_000_000, description="Elements per parameter all-gather bucket."
     )

@@ -1,0 +1,95 @@
+"""Shared fixtures: the real local control plane for the integration and e2e tiers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import localcluster
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD_FILE = ROOT / "crds" / "training.sharded.dev_shardedtrainingjobs.yaml"
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[localcluster.LocalCluster]:
+    """A started control plane with 4 KWOK nodes of 8 GPUs each, stopped after the session."""
+    with localcluster.running_cluster(gpu_nodes=4) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def api_client(cluster):
+    from kubernetes import config
+
+    return config.new_client_from_config(config_file=str(cluster.kubeconfig))
+
+
+@pytest.fixture(scope="session")
+def core(api_client):
+    from kubernetes import client
+
+    return client.CoreV1Api(api_client)
+
+
+@pytest.fixture(scope="session")
+def custom(api_client):
+    from kubernetes import client
+
+    return client.CustomObjectsApi(api_client)
+
+
+@pytest.fixture(scope="session")
+def crd_installed(api_client) -> dict:
+    """The generated CRD, applied and Established."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    ext = client.ApiextensionsV1Api(api_client)
+    body = yaml.safe_load(CRD_FILE.read_text())
+    try:
+        ext.create_custom_resource_definition(body)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    wait_for(
+        lambda: any(
+            c.type == "Established" and c.status == "True"
+            for c in (ext.read_custom_resource_definition(body["metadata"]["name"]).status.conditions or [])
+        ),
+        timeout=30,
+        what="CRD Established",
+    )
+    return body
+
+
+_ns_counter = iter(range(10_000))
+
+
+@pytest.fixture
+def namespace(core) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards."""
+    name = f"t{int(time.time()) % 100000}-{next(_ns_counter)}"
+    core.create_namespace({"metadata": {"name": name}})
+    # The controller-manager's serviceaccount controller creates `default`; pods are refused without it.
+    wait_for(lambda: core.read_namespaced_service_account("default", name), timeout=30, what="default SA")
+    yield name
+    core.delete_namespace(name)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: float = 0.25, what: str = "") -> object:
+    """Poll until `predicate()` is truthy; return its value or fail the test with `what`."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # transient API errors while things settle
+            last_exc = e
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}" + (f": {last_exc}" if last_exc else ""))

@@ -1,0 +1,82 @@
+"""Throughput, MFU and memory as JSON lines; rank 0's progress file for the operator."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sharded_trainer.model import ModelArgs
+
+# Dense bf16 peak FLOP/s per device, for MFU. Unknown devices (and CPUs) report no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class Meter:
+    """Accumulates tokens between log lines and turns them into tokens/s per device and MFU."""
+
+    def __init__(self, args: ModelArgs, seq_len: int, device: torch.device, world: int):
+        self.flops_per_token = args.flops_per_token(seq_len)
+        self.device, self.world = device, world
+        self.peak = peak_flops(device)
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, tokens_this_rank: int) -> None:
+        self.tokens += tokens_this_rank
+
+    def flush(self, step: int, loss: float, lr: float, grad_norm: float) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tps = self.tokens / elapsed
+        rec = {
+            "step": step,
+            "loss": round(loss, 5),
+            "lr": lr,
+            "grad_norm": round(grad_norm, 4),
+            "tokens_per_s_per_device": round(tps, 1),
+            "tokens_per_s": round(tps * self.world, 1),
+            "mfu": round(tps * self.flops_per_token / self.peak, 4) if self.peak else None,
+        }
+        if self.device.type == "cuda":
+            rec["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
+            rec["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(self.device) / 2**30, 2)
+        self.tokens, self.t0 = 0, time.perf_counter()
+        return rec
+
+
+def emit(record: dict) -> None:
+    """One JSON line on stdout, tagged so log scrapers can find it among other output."""
+    sys.stdout.write("METRICS " + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+class ProgressFile:
+    """Rank 0 rewrites a small JSON file the operator reads; replaced atomically so readers never see half."""
+
+    def __init__(self, path: str | None, total_steps: int):
+        self.path = Path(path) if path else None
+        self.total_steps = total_steps
+        self.state: dict = {"totalSteps": total_steps}
+
+    def update(self, **fields) -> None:
+        self.state.update({k: v for k, v in fields.items() if v is not None})
+        self.state["updatedAt"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if not self.path:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.path)

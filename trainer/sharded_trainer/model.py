@@ -1,0 +1,149 @@
+"""A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) that knows nothing of distribution."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int = 4096
+    tie_embeddings: bool = True
+    rope_theta: float = 500_000.0
+    norm_eps: float = 1e-5
+
+    def num_params(self, embeddings: bool = True) -> int:
+        head = self.dim // self.n_heads
+        attn = self.dim * head * (self.n_heads * 2 + self.n_kv_heads * 2)
+        ffn = 3 * self.dim * self.ffn_dim
+        per_layer = attn + ffn + 2 * self.dim
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + self.dim + (emb if embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N (matmuls, fwd+bwd) + 12·L·d·T (attention scores), as torchtitan."""
+        n = self.num_params(embeddings=False) + self.vocab_size * self.dim  # output projection is a matmul
+        return 6 * n + 12 * self.n_layers * self.dim * seq_len
+
+
+PRESETS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=1024),
+    "llama-125m": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=32_000),
+    "llama-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128_256),
+    "llama-8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14_336, vocab_size=128_256, tie_embeddings=False
+    ),
+}
+
+
+def model_args(preset: str, vocab_size: int | None = None, max_seq_len: int | None = None) -> ModelArgs:
+    args = PRESETS[preset]
+    changes = {}
+    if vocab_size:
+        changes["vocab_size"] = vocab_size
+    if max_seq_len and max_seq_len > args.max_seq_len:
+        changes["max_seq_len"] = max_seq_len
+    return ModelArgs(**{**args.__dict__, **changes}) if changes else args
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, seq, heads, head_dim); rotate interleaved pairs.
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.dim // a.n_heads
+        self.wq = nn.Linear(a.dim, a.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * self.head_dim, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(b, t, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
+        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+        self.feed_forward = FeedForward(a)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `forward(tokens) -> logits`; `layers` is a ModuleDict so parallelisms wrap blocks by name."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
+        # Not parameters and not saved: recomputed from args, so checkpoints stay shape-only.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.ones_(p) if "norm" in name else nn.init.zeros_(p)
+                continue
+            scale = std / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))

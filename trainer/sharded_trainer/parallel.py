@@ -1,0 +1,270 @@
+"""FSDP2 and DeepSpeed ZeRO-2 applied to an unchanged model, behind one training-step interface."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sharded_trainer.config import FsdpOptions, ScheduleConfig, TrainerConfig, Zero2Options
+from sharded_trainer.dist import DistEnv
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def lr_lambda(schedule: ScheduleConfig, total_steps: int):
+    """Linear warmup to the peak, then cosine/linear decay to min_lr_ratio (a pure function of the step)."""
+
+    def f(step: int) -> float:
+        if step < schedule.warmup_steps:
+            return (step + 1) / (schedule.warmup_steps + 1)
+        if schedule.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - schedule.warmup_steps) / max(1, total_steps - schedule.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.decay == "cosine" else 1 - progress
+        return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
+
+    return f
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def make_optimizer(params, cfg: TrainerConfig, device: torch.device) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    return torch.optim.AdamW(
+        params,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=device.type == "cuda",
+    )
+
+
+def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> float:
+    """The loss every rank reports: the mean over ranks (gloo has no AVG reduction, so SUM / world)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(value)
+    return value.item() / env.world
+
+
+class Strategy(Protocol):
+    """What the training loop needs from a parallelism; model code sees none of it."""
+
+    model: nn.Module
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+        """Forward/backward every micro-batch, step the optimizer; returns (mean loss, grad norm)."""
+
+    def current_lr(self) -> float: ...
+
+    def save(self, directory: Path, *, async_save: bool) -> object | None:
+        """Write this rank's part of the model/optimizer/scheduler state; may return a pending future."""
+
+    def load(self, directory: Path) -> None: ...
+
+
+# --- FSDP2 --------------------------------------------------------------------------------------
+
+
+def apply_fsdp(
+    model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """Shard each transformer block, then the root (embeddings, final norm, output) with FSDP2.
+
+    Blocks are sharded first so each one all-gathers and frees its own parameters around its compute;
+    the root call then picks up whatever parameters no block owns (the tied embedding among them).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[options.reduce_dtype])
+    if param_dtype == torch.float32:
+        mp = MixedPrecisionPolicy()
+    extra = {"offload_policy": CPUOffloadPolicy()} if options.cpu_offload else {}
+    blocks = list(model.layers.items())
+    for name, block in blocks:
+        if options.activation_checkpointing:
+            # The wrapper keeps parameter names clean in state dicts (DCP strips its prefix).
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[name] = block
+        if options.compile:
+            block.compile()  # in place, so parameter FQNs do not gain an `_orig_mod.` prefix
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)
+    # The root's parameters are needed again at the start of backward: keep them gathered.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
+    if options.prefetch > 1:
+        sharded = list(model.layers.values())
+        for i, block in enumerate(sharded):
+            block.set_modules_to_forward_prefetch(sharded[i + 1 : i + 1 + options.prefetch])
+            block.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - options.prefetch) : i])))
+    return model
+
+
+class FsdpStrategy:
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.env, self.cfg = env, cfg
+        self.mesh = init_device_mesh(env.device.type, (env.world,))
+        self.model = apply_fsdp(
+            model, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision], device=env.device
+        )
+        self.optimizer = make_optimizer(self.model.parameters(), cfg, env.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.schedule, cfg.steps))
+        self._ckpt_group = None
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+        total = torch.zeros((), device=self.env.device)
+        for inputs, targets in micro_batches:
+            loss = cross_entropy(self.model(inputs.to(self.env.device)), targets.to(self.env.device))
+            (loss / len(micro_batches)).backward()
+            total += loss.detach()
+        max_norm = self.cfg.grad_clip_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return mean_over_ranks(total, self.env) / len(micro_batches), float(norm)
+
+    def current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def save(self, directory: Path, *, async_save: bool) -> object | None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        state = self._state()
+        if not async_save:
+            dcp.save(state, checkpoint_id=str(directory))
+            return None
+        # Background writes run collectives off the training stream: give them their own gloo group.
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return dcp.async_save(state, checkpoint_id=str(directory), process_group=self._ckpt_group)
+
+    def load(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+# --- DeepSpeed ZeRO-2 ---------------------------------------------------------------------------
+
+
+def zero2_config(cfg: TrainerConfig, options: Zero2Options) -> dict:
+    """The DeepSpeed config for ZeRO stage 2, derived from the trainer config (never written by hand)."""
+    zero: dict = {
+        "stage": 2,
+        "overlap_comm": options.overlap_comm,
+        "contiguous_gradients": options.contiguous_gradients,
+        "reduce_bucket_size": options.reduce_bucket_size,
+        "allgather_bucket_size": options.allgather_bucket_size,
+        "reduce_scatter": True,
+    }
+    if options.cpu_offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": cfg.grad_clip_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def apply_zero2(model: nn.Module, *, cfg: TrainerConfig, device: torch.device):
+    """Wrap the model in a DeepSpeed engine with ZeRO-2 (sharded gradients and optimizer state)."""
+    import deepspeed
+
+    options = cfg.strategy.zero2
+    if options.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for name, block in list(model.layers.items()):
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if options.compile:
+        for block in model.layers.values():
+            block.compile()
+    model.to(device)
+    if options.cpu_offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        o = cfg.optimizer
+        optimizer = DeepSpeedCPUAdam(
+            model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+    else:
+        optimizer = make_optimizer(model.parameters(), cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, cfg.steps))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=zero2_config(cfg, options),
+        dist_init_required=False,
+    )  # fmt: skip
+    return engine
+
+
+class Zero2Strategy:
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
+        self.env, self.cfg = env, cfg
+        self.engine = apply_zero2(model, cfg=cfg, device=env.device)
+        self.model = self.engine.module
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+        total = torch.zeros((), device=self.env.device)
+        for inputs, targets in micro_batches:
+            loss = cross_entropy(self.engine(inputs.to(self.env.device)), targets.to(self.env.device))
+            self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+            self.engine.step()  # steps optimizer and scheduler only at the accumulation boundary
+            total += loss.detach()
+        norm = self.engine.get_global_grad_norm()
+        return mean_over_ranks(total, self.env) / len(micro_batches), float(norm if norm is not None else 0.0)
+
+    def current_lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def save(self, directory: Path, *, async_save: bool) -> object | None:
+        # DeepSpeed's own format: it knows how its partitioned optimizer state is laid out.
+        self.engine.save_checkpoint(str(directory), tag="zero2", save_latest=False)
+        return None
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(directory), tag="zero2", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
+
+
+def build_strategy(model: nn.Module, cfg: TrainerConfig, env: DistEnv) -> Strategy:
+    if cfg.strategy.type == "fsdp":
+        return FsdpStrategy(model, cfg, env)
+    return Zero2Strategy(model, cfg, env)

@@ -1,0 +1,86 @@
+"""The training loop: load the newest checkpoint, then step, log and save until done or told to stop."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+
+from sharded_trainer.checkpoint import CheckpointManager
+from sharded_trainer.config import TrainerConfig
+from sharded_trainer.data import ShardedLoader, TokenSource
+from sharded_trainer.dist import DistEnv, any_true
+from sharded_trainer.metrics import Meter, ProgressFile, emit
+from sharded_trainer.model import Transformer, model_args
+from sharded_trainer.parallel import build_strategy
+
+# Exit code after SIGTERM once the final checkpoint is committed: "stopped cleanly, resume me".
+EXIT_PREEMPTED = 75
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT; the loop turns it into one agreed step at which every rank stops."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.requested.set())
+
+
+def build_model(cfg: TrainerConfig) -> Transformer:
+    args = model_args(cfg.model.preset, cfg.model.vocab_size, cfg.seq_len)
+    model = Transformer(args)
+    model.init_weights(cfg.seed)  # same weights on every rank before sharding
+    return model
+
+
+def train(cfg: TrainerConfig, env: DistEnv) -> int:
+    stop = StopRequest()
+    model = build_model(cfg)
+    args = model.args
+    strategy = build_strategy(model, cfg, env)
+    loader = ShardedLoader(
+        TokenSource(cfg.data, args.vocab_size, cfg.seq_len), micro_batch=cfg.micro_batch_size, rank=env.rank,
+        world=env.world,
+    )  # fmt: skip
+    ckpt = CheckpointManager(cfg.checkpoint, env, cfg.steps)
+    progress = ProgressFile(cfg.progress_file if env.is_main else None, cfg.steps)
+
+    step = 0
+    resumed = ckpt.load_latest(strategy)
+    if resumed:
+        step = resumed["step"]
+        loader.load_state_dict(resumed["data"])
+        if env.is_main:
+            emit({"event": "resumed", "step": step, "from_world": resumed["world"], "world": env.world})
+    progress.update(step=step, lastCheckpoint=ckpt.last_committed)
+    meter = Meter(args, cfg.seq_len, env.device, env.world)
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.seq_len
+
+    while step < cfg.steps:
+        loss, grad_norm = strategy.train_step([loader.next_batch() for _ in range(cfg.grad_accum_steps)])
+        step += 1
+        meter.add(tokens_per_step)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            rec = meter.flush(step, loss, strategy.current_lr(), grad_norm)
+            if env.is_main:
+                emit(rec)
+            progress.update(step=step, loss=rec["loss"], tokensPerSecond=rec["tokens_per_s"], mfu=rec["mfu"])
+        preempted = any_true(stop.requested.is_set(), env.device)
+        state = {"data": loader.state_dict(), "loss": loss}
+        if ckpt.save(step, strategy, state, force=preempted):
+            progress.update(lastCheckpoint=ckpt.last_committed)  # an async save shows once committed
+        if preempted:
+            ckpt.wait()
+            progress.update(step=step, lastCheckpoint=ckpt.last_committed)
+            if env.is_main:
+                emit({"event": "preempted", "step": step, "checkpoint": ckpt.last_committed})
+            return EXIT_PREEMPTED
+    ckpt.wait()
+    progress.update(step=step, lastCheckpoint=ckpt.last_committed)
+    if env.is_main:
+        emit({"event": "finished", "step": step, "checkpoint": ckpt.last_committed})
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+    return 0

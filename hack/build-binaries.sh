@@ -64,8 +64,16 @@ build() {  # build STEP NAME WRAPPER PACKAGE [LDFLAGS]
   log "[$step] $name: built in $((SECONDS - start))s"
 }
 
+missing=0
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm; do
+  [ -x "$bin_dir/$b" ] || missing=$((missing + 1))
+done
+if [ "$missing" -eq 0 ]; then
+  echo "$bin_dir"
+  exit 0
+fi
 log "cache: $bin_dir"
-log "the first run builds 7 binaries from source: expect 20-40 minutes on 2 cores; later runs reuse them"
+log "building $missing binaries from source (first run only): expect 10-40 minutes on 2 cores"
 
 k8s="$(wrapper kubernetes k8s.io/kubernetes "$KUBERNETES_VERSION")"
 ver=""

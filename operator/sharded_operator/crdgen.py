@@ -57,9 +57,9 @@ def structural(node: dict[str, Any]) -> dict[str, Any]:
             node[bound.replace("exclusiveM", "m")] = node[bound]
             node[bound] = True
     out = {k: v for k, v in node.items() if k in _KEEP or k.startswith("x-kubernetes-")}
-    # Object defaults are left to the operator's models: the API server would store them on every
-    # object and freeze today's defaults into it.
-    if isinstance(out.get("default"), (dict, list)) or out.get("default") is None:
+    # Object defaults stay with the models: nested scalar defaults already fill any object the user
+    # writes, and a whole default object would print every option on every job.
+    if isinstance(out.get("default"), dict) or out.get("default") is None:
         out.pop("default", None)
     if out.get("type") == "object" or "properties" in out:
         out["type"] = "object"

@@ -218,7 +218,7 @@ class FailurePolicy(ApiModel):
     )
     backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
     permanent_exit_codes: list[ExitCode] = Field(
-        default_factory=lambda: [2],
+        [2],  # pydantic copies mutable defaults per instance; a literal also lands in the CRD's schema
         max_length=256,
         description="Exit codes that fail the job at once (2: invalid trainer config).",
     )
@@ -432,7 +432,9 @@ class ShardedTrainingJobSpec(ApiModel):
         json_schema_extra=_PROCS_SCHEMA,
     )
     image: str = Field(..., min_length=1, max_length=1024, description="Trainer image (has torchrun and the trainer).")
-    strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="fsdp or zero2, with options.")
+    strategy: StrategyConfig = Field(
+        default_factory=StrategyConfig, description="The one switch between FSDP2 and ZeRO-2, with each one's options."
+    )
     trainer: TrainingSpec = Field(default_factory=TrainingSpec, description="Model, data and optimisation.")
     command: list[str] | None = Field(
         None,
@@ -561,7 +563,6 @@ ROOT_RULES = [
         f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
         f"metadata.name must be at most {MAX_NAME_LENGTH} characters: pods are named <name>-<index> and "
         "used as 63-character hostnames",
-        reason="FieldValueTooLong",
     ),
     _rule(
         f"self.metadata.name.matches('{NAME_PATTERN}')",

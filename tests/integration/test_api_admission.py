@@ -71,12 +71,13 @@ def test_mutable_fields_can_change(custom, crd_installed, namespace):
 
 def test_kubectl_explain_shows_the_field_descriptions(cluster, crd_installed):
     def explain(field):
-        return subprocess.run(
+        out = subprocess.run(
             [str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "explain", field],
             check=True,
             capture_output=True,
             text=True,
-        ).stdout
+        ).stdout.split()
+        return " ".join(out)
 
     assert "nodes x processes training one model with FSDP2 or ZeRO-2" in explain("stj.spec")
     ckpt = explain("stj.spec.checkpoint.existingClaim")

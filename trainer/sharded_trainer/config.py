@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -28,7 +28,7 @@ class Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True)
 
 
-PositiveInt = Annotated[int, Field(ge=1)]
+_TOKENS_NEED_PATH = "path is required when source is 'tokens': give the token file's path"
 
 
 class ModelConfig(Model):
@@ -47,6 +47,14 @@ class ModelConfig(Model):
 class DataConfig(Model):
     """Where training tokens come from."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.source != 'tokens' || has(self.path)", "message": _TOKENS_NEED_PATH}
+            ]
+        }
+    )
+
     source: Literal["synthetic", "learnable", "tokens"] = Field(
         "learnable",
         description="synthetic: random tokens (throughput benchmarks); learnable: a deterministic sequence task "
@@ -59,7 +67,7 @@ class DataConfig(Model):
     @model_validator(mode="after")
     def _path_for_tokens(self) -> DataConfig:
         if self.source == "tokens" and not self.path:
-            raise ValueError("data.path is required when data.source is 'tokens': give the token file's path")
+            raise ValueError(_TOKENS_NEED_PATH)
         return self
 
 

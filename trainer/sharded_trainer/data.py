@@ -39,11 +39,11 @@ class TokenSource:
         if self.cfg.source == "synthetic":
             return (_mix(np.arange(index * n, (index + 1) * n), self.cfg.seed) % np.uint64(self.vocab)).astype(np.int64)
         if self.cfg.source == "learnable":
-            # An affine recurrence mod a small alphabet, from a random start and stride: the next token is a
-            # function of the previous two, so a model's loss falls quickly and measurably.
+            # Counting mod a small alphabet by 1 or 2 from a random start: the next token follows from the
+            # previous two, so even a tiny model's loss falls fast and far below chance (ln vocab).
             alphabet = min(self.vocab, 64)
             h = _mix(index, self.cfg.seed)
-            start, stride = int(h % np.uint64(alphabet)), int((h >> np.uint64(16)) % np.uint64(alphabet - 1)) + 1
+            start, stride = int(h % np.uint64(alphabet)), 1 + int((h >> np.uint64(16)) % np.uint64(2))
             return (start + stride * np.arange(n)) % alphabet
         assert self.tokens is not None
         span = len(self.tokens) - n

@@ -1,0 +1,39 @@
+"""Under torchrun: load a checkpoint into the sharded strategy, then rank 0 saves full weights and logits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from sharded_trainer.checkpoint import step_dir
+from sharded_trainer.config import load_config
+from sharded_trainer.dist import init_distributed
+from sharded_trainer.parallel import build_strategy
+from sharded_trainer.train import build_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--config")
+parser.add_argument("--step", type=int)
+parser.add_argument("--out")
+args = parser.parse_args(sys.argv[1:])
+
+cfg = load_config(args.config)
+env = init_distributed(cfg.backend)
+strategy = build_strategy(build_model(cfg), cfg, env)
+strategy.load(step_dir(Path(cfg.checkpoint.dir), args.step))
+probe = (torch.arange(2 * cfg.seq_len).reshape(2, cfg.seq_len) * 7) % 64
+with torch.no_grad():
+    logits = strategy.model(probe)
+if cfg.strategy.type == "fsdp":
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+else:
+    weights = {k: v.detach().float().cpu() for k, v in strategy.model.state_dict().items()}
+if env.rank == 0:
+    torch.save({"logits": logits.float().cpu(), "weights": weights, "world": env.world}, args.out)
+dist.barrier()
+dist.destroy_process_group()

@@ -1,0 +1,110 @@
+"""Launch the trainer the way a ShardedTrainingJob's pods do: one torchrun agent per node, c10d rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(directory: Path, **overrides) -> Path:
+    """A tiny-model CPU config: learnable data, fp32, checkpoints under `directory/ckpt`."""
+    cfg = {
+        "model": {"preset": "tiny"},
+        "data": {"source": "learnable"},
+        "steps": 20,
+        "microBatchSize": 4,
+        "seqLen": 32,
+        "precision": "fp32",
+        "optimizer": {"lr": 0.01},
+        "schedule": {"warmupSteps": 2},
+        "logEvery": 1,
+        "checkpoint": {"dir": str(directory / "ckpt"), "interval": 10, "keepLast": 10},
+        "progressFile": str(directory / "progress.json"),
+    }
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = directory / "trainer.yaml"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@dataclass
+class Run:
+    returncodes: list[int]
+    output: str
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [json.loads(line.split(" ", 1)[1]) for line in self.output.splitlines() if line.startswith("METRICS ")]
+
+    def losses(self) -> dict[int, float]:
+        return {m["step"]: m["loss"] for m in self.metrics if "loss" in m}
+
+    def event(self, name: str) -> dict | None:
+        return next((m for m in self.metrics if m.get("event") == name), None)
+
+
+def start_agents(
+    config: Path, *, nodes: int = 2, procs: int = 2, script: list[str] | None = None, log_dir: Path
+) -> list[subprocess.Popen]:
+    """One `torchrun` per node, all meeting at a c10d rendezvous on localhost."""
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
+    target = script or ["-m", "sharded_trainer"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    agents = []
+    for rank in range(nodes):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nodes}", f"--nproc-per-node={procs}", f"--node-rank={rank}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+            "--max-restarts=0", "--monitor-interval=0.5",
+            *target, "--config", str(config),
+        ]  # fmt: skip
+        log = open(log_dir / f"agent-{rank}.log", "w")  # noqa: SIM115 - closed with the process
+        agents.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        )
+    return agents
+
+
+def wait_agents(agents: list[subprocess.Popen], log_dir: Path, timeout: float = 300) -> Run:
+    deadline = time.monotonic() + timeout
+    try:
+        for a in agents:
+            a.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+    output = "\n".join((log_dir / f"agent-{i}.log").read_text() for i in range(len(agents)))
+    return Run([a.returncode for a in agents], output)
+
+
+def run_job(directory: Path, config: Path, *, nodes: int = 2, procs: int = 2, script=None, timeout=300) -> Run:
+    log_dir = directory / f"logs-{uuid.uuid4().hex[:6]}"
+    log_dir.mkdir(parents=True)
+    return wait_agents(start_agents(config, nodes=nodes, procs=procs, script=script, log_dir=log_dir), log_dir, timeout)

@@ -1,0 +1,179 @@
+"""The trainer under real torchrun: 2 agents x 2 processes, c10d rendezvous on localhost, gloo, both strategies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers.torchrun_jobs import ROOT, Run, run_job, start_agents, wait_agents, write_config
+from sharded_trainer.checkpoint import MARKER, committed_steps, step_dir
+from sharded_trainer.config import load_config
+from sharded_trainer.export import export_checkpoint, load_exported, load_model_state
+from sharded_trainer.train import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.trainer
+STRATEGIES = ["fsdp", "zero2"]
+
+
+def weights_at(tmp, config, step) -> dict[str, torch.Tensor]:
+    return load_model_state(load_config(str(config)), step_dir(tmp / "ckpt", step))
+
+
+@pytest.fixture(scope="module", params=STRATEGIES)
+def reference(request, tmp_path_factory):
+    """An uninterrupted 2x2 run of 20 steps per strategy, checkpointing at 10 and 20."""
+    tmp = tmp_path_factory.mktemp(f"ref-{request.param}")
+    config = write_config(tmp, **{"strategy.type": request.param})
+    run = run_job(tmp, config)
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    return request.param, tmp, config, run
+
+
+def test_loss_falls_on_the_learnable_task(reference):
+    _, _, _, run = reference
+    losses = run.losses()
+    assert sorted(losses) == list(range(1, 21))
+    last = sum(losses[s] for s in (18, 19, 20)) / 3
+    # Chance is ln(256) = 5.5; knowing only the 64-token alphabet gives ln(64) = 4.2.
+    assert losses[1] > 5.0 and last < 3.5, losses
+
+
+def test_checkpoints_are_committed_with_a_marker_and_all_state(reference):
+    strategy, tmp, _, _ = reference
+    assert committed_steps(tmp / "ckpt") == [10, 20]
+    d = step_dir(tmp / "ckpt", 20)
+    state = json.loads((d / "trainer.json").read_text())
+    assert state["step"] == 20 and state["world"] == 4
+    assert state["data"]["consumed"] == 20 * 4 * 4  # steps x world x micro-batch
+    assert sorted(p.name for p in (d / "rng").iterdir()) == [f"rank-{r}.pt" for r in range(4)]
+    assert json.loads((d / MARKER).read_text())["step"] == 20
+    progress = json.loads((tmp / "progress.json").read_text())
+    assert progress["step"] == 20 and progress["lastCheckpoint"]["step"] == 20 and progress["loss"] > 0
+
+
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(reference, tmp_path):
+    strategy, ref_tmp, _, ref_run = reference
+    config = write_config(tmp_path, **{"strategy.type": strategy})
+    log_dir = tmp_path / "logs-a"
+    log_dir.mkdir()
+    agents = start_agents(config, log_dir=log_dir)
+    progress = tmp_path / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # stop it as a pod deletion would, mid-training
+        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= 3:
+            break
+        time.sleep(0.02)
+    for a in agents:
+        os.killpg(a.pid, signal.SIGTERM)
+    stopped = wait_agents(agents, log_dir)
+    preempted = stopped.event("preempted")
+    assert preempted, stopped.output[-3000:]
+    stop_step = preempted["step"]
+    assert 3 <= stop_step < 20
+    assert committed_steps(tmp_path / "ckpt")[-1] == stop_step
+
+    resumed = run_job(tmp_path, config)
+    assert resumed.returncodes == [0, 0], resumed.output[-3000:]
+    assert resumed.event("resumed")["step"] == stop_step
+    assert min(resumed.losses()) == stop_step + 1 or min(resumed.losses()) > stop_step
+    ref = weights_at(ref_tmp, config, 20)
+    got = weights_at(tmp_path, config, 20)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), f"{k} differs after resume"
+    assert resumed.losses()[20] == ref_run.losses()[20]
+
+
+def test_sigterm_exits_with_the_preempted_code_after_a_final_checkpoint(tmp_path):
+    """Run directly (a world of one) so the trainer's own exit code is visible, not torchrun's."""
+    config = write_config(tmp_path, steps=100000)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sharded_trainer", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    progress = tmp_path / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (progress.exists() and json.loads(progress.read_text())["step"] >= 2):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, out[-2000:]
+    preempted = Run([proc.returncode], out).event("preempted")
+    assert preempted["step"] >= 2
+    assert committed_steps(tmp_path / "ckpt")[-1] == preempted["step"]
+
+
+def test_crash_during_save_leaves_the_previous_checkpoint_loadable(reference, tmp_path):
+    strategy, _, _, _ = reference
+    config = write_config(tmp_path, **{"strategy.type": strategy})
+    crashed = run_job(tmp_path, config, script=[str(ROOT / "tests" / "helpers" / "crash_in_save.py")])
+    assert crashed.returncodes != [0, 0]
+    partial = step_dir(tmp_path / "ckpt", 20)
+    assert partial.is_dir() and not (partial / MARKER).exists()
+    assert committed_steps(tmp_path / "ckpt") == [10]
+
+    resumed = run_job(tmp_path, config)
+    assert resumed.returncodes == [0, 0], resumed.output[-3000:]
+    assert resumed.event("resumed")["step"] == 10
+    assert committed_steps(tmp_path / "ckpt") == [10, 20]
+
+
+def test_export_matches_the_sharded_model_and_fsdp_loads_on_fewer_ranks(reference, tmp_path):
+    """The export gives the sharded model's outputs; an FSDP 4-rank checkpoint loads on 2 ranks (DCP reshards).
+
+    ZeRO-2 checkpoints are reloaded at the world size that wrote them (DeepSpeed's partitioning).
+    """
+    strategy, ref_tmp, config, _ = reference
+    probe_out = tmp_path / "probe.pt"
+    nodes = 1 if strategy == "fsdp" else 2
+    run = run_job(
+        tmp_path,
+        config,
+        nodes=nodes,
+        script=[str(ROOT / "tests" / "helpers" / "load_and_probe.py"), "--step", "20", "--out", str(probe_out)],
+    )
+    assert run.returncodes == [0] * nodes, run.output[-3000:]
+    probe = torch.load(probe_out, weights_only=False)
+    assert probe["world"] == 2 * nodes
+
+    cfg = load_config(str(config))
+    exported = tmp_path / "model.safetensors"
+    export_checkpoint(cfg, str(ref_tmp / "ckpt"), str(exported))  # the root: newest committed step
+    model = load_exported(cfg, str(exported))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, probe["weights"][k].to(v.dtype)), k
+    tokens = (torch.arange(2 * cfg.seq_len).reshape(2, cfg.seq_len) * 7) % 64
+    with torch.no_grad():
+        logits = model(tokens)
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_config_fails_before_any_process_group_naming_the_field(tmp_path):
+    config = write_config(tmp_path, **{"steps": 0, "strategy.type": "zero3"})
+    code = (
+        "import sys; from sharded_trainer.__main__ import main; rc = main(['--config', sys.argv[1]]); "
+        "print('torch imported:', 'torch' in sys.modules); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "steps: Input should be greater than or equal to 1 (got 0)" in proc.stderr
+    assert "strategy.type: Input should be 'fsdp' or 'zero2' (got 'zero3')" in proc.stderr
+    assert "torch imported: False" in proc.stdout
+
+
+def test_cli_export_writes_a_safetensors_file(reference, tmp_path):
+    _, ref_tmp, config, _ = reference
+    out = tmp_path / "m.safetensors"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharded_trainer", "export", "--config", str(config), "--checkpoint",
+         str(step_dir(ref_tmp / "ckpt", 10)), "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 0

@@ -45,7 +45,7 @@ def test_loss_falls_on_the_learnable_task(reference):
 
 
 def test_checkpoints_are_committed_with_a_marker_and_all_state(reference):
-    strategy, tmp, _, _ = reference
+    _, tmp, _, _ = reference
     assert committed_steps(tmp / "ckpt") == [10, 20]
     d = step_dir(tmp / "ckpt", 20)
     state = json.loads((d / "trainer.json").read_text())

@@ -1,0 +1,310 @@
+"""Pure builders: (job, settings) -> the Service, ConfigMap, PVC, PodGroup and Pod manifests of a job.
+
+No API calls here; the handlers create what these return. Owner references are added by the caller
+(kopf.adopt), except on the checkpoint PVC, which outlives the job unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Any
+
+import yaml
+from sharded_trainer.config import CheckpointConfig, TrainerConfig
+
+from sharded_operator.models import ShardedTrainingJob
+from sharded_operator.settings import OperatorSettings
+
+LABEL_JOB = "training.sharded.dev/job-name"
+LABEL_INDEX = "training.sharded.dev/node-index"
+LABEL_ATTEMPT = "training.sharded.dev/attempt"
+CONFIG_KEY = "trainer.yaml"
+CONTAINER = "trainer"
+SHM_DEFAULT_BYTES = 2 * 2**30
+_UNITS = {
+    "": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def quantity_bytes(q: int | str) -> float:
+    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(q))
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"not a quantity: {q!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _name(job: ShardedTrainingJob) -> str:
+    return job.metadata["name"]
+
+
+def _ns(job: ShardedTrainingJob) -> str:
+    return job.metadata.get("namespace", "default")
+
+
+def job_labels(job: ShardedTrainingJob) -> dict[str, str]:
+    return {LABEL_JOB: _name(job)}
+
+
+def pod_name(job: ShardedTrainingJob, index: int) -> str:
+    return f"{_name(job)}-{index}"
+
+
+def pvc_name(job: ShardedTrainingJob) -> str:
+    return f"{_name(job)}-checkpoints"
+
+
+def config_map_name(job: ShardedTrainingJob) -> str:
+    return f"{_name(job)}-config"
+
+
+def procs_per_node(job: ShardedTrainingJob, settings: OperatorSettings) -> int:
+    s = job.spec
+    if s.procs_per_node != "auto":
+        return int(s.procs_per_node)
+    return s.resources.gpus_per_node or settings.cpu_procs_per_node
+
+
+def backend(job: ShardedTrainingJob) -> str:
+    s = job.spec
+    if s.network.backend != "auto":
+        return s.network.backend
+    return "nccl" if s.resources.gpus_per_node > 0 else "gloo"
+
+
+def rendezvous_port(job: ShardedTrainingJob) -> int:
+    """The spec's port; on the host network a per-job port derived from the UID so jobs sharing a node
+    do not clash."""
+    s = job.spec
+    if not s.network.host_network:
+        return s.rendezvous.port
+    return 20000 + zlib.crc32(job.metadata.get("uid", _name(job)).encode()) % 20000
+
+
+def rendezvous_endpoint(job: ShardedTrainingJob) -> str:
+    return f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc:{rendezvous_port(job)}"
+
+
+def shm_size(job: ShardedTrainingJob) -> str:
+    """/dev/shm: the spec's size, else half the pod's memory (NCCL and data loaders live there), else 2Gi."""
+    s = job.spec
+    if s.shm_size is not None:
+        return str(s.shm_size)
+    if s.resources.memory is not None:
+        return str(int(quantity_bytes(s.resources.memory) // 2))
+    return str(SHM_DEFAULT_BYTES)
+
+
+# --- children -----------------------------------------------------------------------------------
+
+
+def build_service(job: ShardedTrainingJob) -> dict[str, Any]:
+    """Headless; publishes not-ready addresses so peers resolve before the trainer is ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": _name(job), "labels": job_labels(job)},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": job_labels(job),
+            "ports": [{"name": "rendezvous", "port": rendezvous_port(job), "targetPort": rendezvous_port(job)}],
+        },
+    }
+
+
+def trainer_config(job: ShardedTrainingJob) -> TrainerConfig:
+    """The full trainer config the pods read: the spec's training part plus strategy, storage and backend."""
+    s = job.spec
+    checkpoint = CheckpointConfig()
+    if s.checkpoint:
+        policy = s.checkpoint.model_dump(include={"interval", "keep_last", "async_save", "resume"})
+        checkpoint = CheckpointConfig(dir=s.checkpoint.mount_path, **policy)
+    return TrainerConfig(**s.trainer.model_dump(), strategy=s.strategy, checkpoint=checkpoint, backend=backend(job))
+
+
+def build_config_map(job: ShardedTrainingJob) -> dict[str, Any]:
+    cfg = trainer_config(job).model_dump(by_alias=True, exclude_none=True, mode="json")
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": config_map_name(job), "labels": job_labels(job)},
+        "data": {CONFIG_KEY: yaml.safe_dump(cfg, sort_keys=False)},
+    }
+
+
+def build_pvc(job: ShardedTrainingJob) -> dict[str, Any] | None:
+    ck = job.spec.checkpoint
+    if not ck or not ck.volume_claim:
+        return None
+    vc = ck.volume_claim
+    spec: dict[str, Any] = {"accessModes": list(vc.access_modes), "resources": {"requests": {"storage": str(vc.size)}}}
+    if vc.storage_class_name:
+        spec["storageClassName"] = vc.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": pvc_name(job), "labels": job_labels(job)},
+        "spec": spec,
+    }
+
+
+def build_pod_group(job: ShardedTrainingJob) -> dict[str, Any] | None:
+    gang = job.spec.scheduling.gang
+    if not gang.enabled:
+        return None
+    meta = {"name": _name(job), "labels": job_labels(job)}
+    if gang.provider == "volcano":
+        spec: dict[str, Any] = {"minMember": job.spec.nodes}
+        if job.spec.scheduling.priority_class_name:
+            spec["priorityClassName"] = job.spec.scheduling.priority_class_name
+        return {"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup", "metadata": meta, "spec": spec}
+    return {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+        "kind": "PodGroup",
+        "metadata": meta,
+        "spec": {"minMember": job.spec.nodes, "scheduleTimeoutSeconds": gang.schedule_timeout_seconds},
+    }
+
+
+def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSettings) -> list[dict[str, Any]]:
+    s = job.spec
+    port = rendezvous_port(job)
+    nnodes = f"{s.elastic.min_nodes}:{s.elastic.max_nodes}" if s.elastic else str(s.nodes)
+    env = {
+        "PET_NNODES": nnodes,
+        "PET_NPROC_PER_NODE": str(procs_per_node(job, settings)),
+        "PET_NODE_RANK": str(index),
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": rendezvous_endpoint(job),
+        "PET_RDZV_ID": f"{job.metadata.get('uid', _name(job))}-{attempt}",
+        "PET_RDZV_CONF": f"join_timeout={s.rendezvous.timeout_seconds}",
+        "PET_MAX_RESTARTS": str(s.elastic.max_restarts if s.elastic else 0),
+        "MASTER_ADDR": f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc",
+        "MASTER_PORT": str(port),
+        "SHARDED_JOB_NAME": _name(job),
+        "SHARDED_JOB_NAMESPACE": _ns(job),
+        "SHARDED_JOB_UID": job.metadata.get("uid", ""),
+        "SHARDED_ATTEMPT": str(attempt),
+        "SHARDED_RDZV_TIMEOUT": str(s.rendezvous.timeout_seconds),
+    }
+    if settings.progress_url:
+        env["SHARDED_PROGRESS_URL"] = settings.progress_url
+    if s.resources.gpus_per_node == 0:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU fallback, even on a node that has GPUs
+    ib = s.network.infiniband
+    if ib.enabled:
+        env["NCCL_IB_DISABLE"] = "0"
+        if ib.hcas:
+            env["NCCL_IB_HCA"] = ib.hcas
+        if ib.gid_index is not None:
+            env["NCCL_IB_GID_INDEX"] = str(ib.gid_index)
+    if s.network.socket_interface:
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = s.network.socket_interface
+    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    out += [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    ]
+    out += [e.model_dump(by_alias=True, exclude_none=True) for e in s.pod.env]
+    return out
+
+
+def _resources(job: ShardedTrainingJob) -> dict[str, Any]:
+    r = job.spec.resources
+    amounts: dict[str, str] = {}
+    if r.cpu is not None:
+        amounts["cpu"] = str(r.cpu)
+    if r.memory is not None:
+        amounts["memory"] = str(r.memory)
+    if r.gpus_per_node:
+        amounts[r.gpu_resource_name] = str(r.gpus_per_node)
+    ib = job.spec.network.infiniband
+    if ib.enabled:
+        amounts[ib.resource_name] = str(ib.resource_count)
+    # Requests equal limits: extended resources require it, and training wants Guaranteed QoS.
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSettings) -> dict[str, Any]:
+    s = job.spec
+    labels = {**s.pod.labels, **job_labels(job), LABEL_INDEX: str(index), LABEL_ATTEMPT: str(attempt)}
+    annotations = dict(s.pod.annotations)
+    sched = s.scheduling
+    if sched.queue_name:
+        labels["kueue.x-k8s.io/queue-name"] = sched.queue_name
+    scheduler_name = sched.scheduler_name
+    if sched.gang.enabled and sched.gang.provider == "volcano":
+        annotations["scheduling.k8s.io/group-name"] = _name(job)
+        scheduler_name = scheduler_name or "volcano"
+    elif sched.gang.enabled:
+        labels["scheduling.x-k8s.io/pod-group"] = _name(job)
+
+    command = ["python", "-m", "sharded_trainer.launch", "--config", settings.trainer_config_path]
+    if s.command:
+        command += ["--", *s.command]
+    mounts = [
+        {"name": "trainer-config", "mountPath": settings.trainer_config_path.rsplit("/", 1)[0], "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "trainer-config", "configMap": {"name": config_map_name(job)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(job)}},
+    ]
+    if s.checkpoint:
+        claim = s.checkpoint.existing_claim or pvc_name(job)
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append(
+            {
+                "name": "checkpoints",
+                "mountPath": s.checkpoint.mount_path,
+                "subPath": s.checkpoint.sub_path or _name(job),
+            }
+        )
+    volumes += s.pod.volumes
+    mounts += s.pod.volume_mounts
+
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": s.image,
+        "command": command,
+        "env": _env(job, index, attempt, settings),
+        "ports": [{"name": "rendezvous", "containerPort": rendezvous_port(job)}],
+        "volumeMounts": mounts,
+    }
+    if s.pod.image_pull_policy:
+        container["imagePullPolicy"] = s.pod.image_pull_policy
+    if resources := _resources(job):
+        container["resources"] = resources
+    if s.network.infiniband.enabled:
+        # Registering RDMA memory pins pages: needs IPC_LOCK (memlock) in the container.
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+
+    spec: dict[str, Any] = {
+        "hostname": pod_name(job, index),
+        "subdomain": _name(job),
+        "restartPolicy": "Never",  # the operator restarts the whole gang, never one pod
+        "terminationGracePeriodSeconds": settings.suspend_grace_seconds,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if s.network.host_network:
+        spec["hostNetwork"] = True
+        spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    optional = {
+        "nodeSelector": sched.node_selector or None,
+        "tolerations": sched.tolerations or None,
+        "affinity": sched.affinity,
+        "priorityClassName": sched.priority_class_name,
+        "schedulerName": scheduler_name,
+        "serviceAccountName": s.pod.service_account_name,
+    }
+    spec.update({k: v for k, v in optional.items() if v})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod_name(job, index), "labels": labels, "annotations": annotations},
+        "spec": spec,
+    }

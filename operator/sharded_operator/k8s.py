@@ -1,0 +1,151 @@
+"""The only module that talks to the Kubernetes API server."""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from sharded_operator.builders import LABEL_JOB
+from sharded_operator.models import GROUP, KIND, PLURAL, VERSION
+
+T = TypeVar("T")
+_TRANSIENT = {429, 500, 502, 503, 504}
+
+
+def retrying(fn: Callable[..., T]) -> Callable[..., T]:
+    """Retry throttling, server errors and dropped connections with exponential backoff."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        delay = 0.2
+        for attempt in range(5):
+            try:
+                return fn(*args, **kwargs)
+            except ApiException as e:
+                if e.status not in _TRANSIENT or attempt == 4:
+                    raise
+            except OSError:  # connection reset / refused while the API server restarts
+                if attempt == 4:
+                    raise
+            time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class Kube:
+    """Typed access to the objects a job owns. Plain dicts in, plain dicts out."""
+
+    def __init__(self, api_client: client.ApiClient):
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.events = client.EventsV1Api(api_client)
+
+    @classmethod
+    def connect(cls, kubeconfig: str | None = None) -> Kube:
+        try:
+            config.load_incluster_config()
+            return cls(client.ApiClient())
+        except config.ConfigException:
+            return cls(config.new_client_from_config(config_file=kubeconfig))
+
+    def _dict(self, obj: Any) -> dict[str, Any]:
+        return self.api_client.sanitize_for_serialization(obj)
+
+    @retrying
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    @retrying
+    def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job}")
+        return [self._dict(p) for p in pods.items]
+
+    @retrying
+    def node_names(self) -> set[str]:
+        return {n.metadata.name for n in self.core.list_node().items}
+
+    @retrying
+    def create(self, namespace: str, obj: dict[str, Any]) -> bool:
+        """Create `obj`; an existing object of that name is success (returns False)."""
+        kind = obj["kind"]
+        try:
+            if kind == "Pod":
+                self.core.create_namespaced_pod(namespace, obj)
+            elif kind == "Service":
+                self.core.create_namespaced_service(namespace, obj)
+            elif kind == "ConfigMap":
+                self.core.create_namespaced_config_map(namespace, obj)
+            elif kind == "PersistentVolumeClaim":
+                self.core.create_namespaced_persistent_volume_claim(namespace, obj)
+            elif kind == "PodGroup":
+                group, version = obj["apiVersion"].split("/")
+                self.custom.create_namespaced_custom_object(group, version, namespace, "podgroups", obj)
+            else:
+                raise ValueError(f"unsupported kind {kind}")
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            if e.status == 404 and kind == "PodGroup":
+                raise MissingAPI(f"{obj['apiVersion']} PodGroup is not installed in this cluster") from e
+            raise
+        return True
+
+    @retrying
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None) -> None:
+        try:
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    @retrying
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+
+    @retrying
+    def delete_job(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background"
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    @retrying
+    def event(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        meta = job["metadata"]
+        now = dt.datetime.now(dt.timezone.utc)
+        body = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "reportingController": f"{GROUP}/operator",
+            "reportingInstance": "sharded-operator",
+            "action": reason,
+            "reason": reason,
+            "type": type_,
+            "note": message[:1024],
+            "regarding": {
+                "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
+                "namespace": meta["namespace"], "uid": meta["uid"],
+            },
+        }  # fmt: skip
+        self.events.create_namespaced_event(meta["namespace"], body)
+
+
+class MissingAPI(RuntimeError):
+    """An API the job asks for (e.g. a PodGroup CRD) does not exist in the cluster."""

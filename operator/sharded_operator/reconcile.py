@@ -1,0 +1,130 @@
+"""One reconcile of one job: read the world, decide (pure), apply the plan, write status once."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from sharded_trainer.config import format_validation_error
+
+from sharded_operator import builders
+from sharded_operator.k8s import Kube, MissingAPI
+from sharded_operator.models import ShardedTrainingJob, ShardedTrainingJobStatus
+from sharded_operator.settings import OperatorSettings
+from sharded_operator.status import Observed, PodView, decide, iso, set_phase
+from sharded_operator.web import Metrics, ProgressStore
+
+
+@dataclass
+class Context:
+    """What every reconcile shares: settings, the API, progress reports, metrics, per-job locks."""
+
+    settings: OperatorSettings
+    kube: Kube
+    progress: ProgressStore = field(default_factory=ProgressStore)
+    metrics: Metrics = field(default_factory=Metrics)
+    locks: defaultdict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
+
+
+def adopt(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    """Owner reference (controller) and namespace, so children are garbage-collected with the job."""
+    meta = owner["metadata"]
+    obj["metadata"]["namespace"] = meta["namespace"]
+    obj["metadata"].setdefault("ownerReferences", []).append(
+        {
+            "apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True,
+        }
+    )  # fmt: skip
+    return obj
+
+
+def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -> ShardedTrainingJobStatus | None:
+    """Bring one job one step closer to its spec. Safe to call any number of times, from any event."""
+    with ctx.locks[f"{namespace}/{name}"], ctx.metrics.reconcile_seconds.time():
+        body = ctx.kube.get_job(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        try:
+            job = ShardedTrainingJob.model_validate(body)
+        except ValidationError as e:
+            return _invalid(ctx, body, format_validation_error(e, prefix="spec."), logger)
+        uid = body["metadata"]["uid"]
+        pods = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
+        observed = Observed(pods=pods, nodes=ctx.kube.node_names(), progress=ctx.progress.get(uid))
+        now = dt.datetime.now(dt.timezone.utc)
+        grace = {"restart": ctx.settings.restart_grace_seconds, "suspend": ctx.settings.suspend_grace_seconds}
+        plan = decide(job, observed, now, grace)
+
+        # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods)
+        for pod in plan.delete:
+            ctx.kube.delete_pod(namespace, pod, plan.grace_seconds)
+        # 2. children the pods need, then the pods of the current attempt
+        if plan.create:
+            try:
+                _ensure_children(ctx, job, body)
+            except MissingAPI as e:
+                return _invalid(ctx, body, str(e), logger)
+            for index in plan.create:
+                pod = adopt(builders.build_pod(job, index, plan.status.attempt, ctx.settings), body)
+                if ctx.kube.create(namespace, pod):
+                    ctx.metrics.pods_created.inc()
+        # 3. events and metrics for what changed
+        for type_, reason, message in plan.events:
+            logger.info("%s: %s", reason, message)
+            ctx.kube.event(body, type_, reason, message)
+        before = job.status
+        if plan.status.restarts > before.restarts:
+            ctx.metrics.restarts.labels(namespace).inc()
+        if plan.status.last_failure and plan.status.last_failure != before.last_failure:
+            ctx.metrics.failures.labels(plan.status.last_failure.reason).inc()
+        if plan.status.phase in ("Succeeded", "Failed") and before.phase != plan.status.phase:
+            ctx.metrics.finished.labels(plan.status.phase).inc()
+        ctx.metrics.observe_phase(uid, plan.status.phase)
+        # 4. one status write, only when something changed
+        new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+        if new != before.model_dump(by_alias=True, exclude_none=True, mode="json"):
+            ctx.kube.patch_status(namespace, name, new)
+        if plan.delete_job:
+            logger.info("ttlSecondsAfterFinished reached: deleting the job")
+            ctx.kube.delete_job(namespace, name)
+            ctx.progress.forget(uid)
+            ctx.metrics.observe_phase(uid, None)
+        return plan.status
+
+
+def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]) -> None:
+    ns = body["metadata"]["namespace"]
+    ctx.kube.create(ns, adopt(builders.build_service(job), body))
+    ctx.kube.create(ns, adopt(builders.build_config_map(job), body))
+    if (group := builders.build_pod_group(job)) is not None:
+        ctx.kube.create(ns, adopt(group, body))
+    if (pvc := builders.build_pvc(job)) is not None:
+        assert job.spec.checkpoint and job.spec.checkpoint.volume_claim
+        if not job.spec.checkpoint.volume_claim.retain_on_delete:
+            pvc = adopt(pvc, body)
+        pvc["metadata"]["namespace"] = ns
+        ctx.kube.create(ns, pvc)
+
+
+def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.Logger) -> ShardedTrainingJobStatus:
+    """A job the operator cannot run (it slipped past admission, or needs a missing API): Failed, once."""
+    current = body.get("status") or {}
+    status = ShardedTrainingJobStatus.model_validate(current)
+    if status.phase == "Failed":
+        return status
+    now = iso(dt.datetime.now(dt.timezone.utc))
+    status.completion_time = now
+    set_phase(status, "Failed", "InvalidSpec", message, now)
+    logger.error("invalid job: %s", message)
+    ctx.kube.event(body, "Warning", "InvalidSpec", message)
+    ctx.kube.patch_status(
+        body["metadata"]["namespace"], body["metadata"]["name"], status.model_dump(by_alias=True, exclude_none=True)
+    )
+    ctx.metrics.failures.labels("InvalidSpec").inc()
+    return status

@@ -8,6 +8,7 @@ checkpoint into one file. Exit codes: 0 done, 2 invalid config (before any proce
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from sharded_trainer.config import ConfigError, load_config
@@ -30,8 +31,33 @@ def _export_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _report_target() -> dict:
+    """Where rank 0 posts progress: set by the operator in every pod, absent elsewhere."""
+    url = os.environ.get("SHARDED_PROGRESS_URL")
+    identity = {
+        "uid": os.environ.get("SHARDED_JOB_UID", ""),
+        "namespace": os.environ.get("SHARDED_JOB_NAMESPACE", ""),
+        "name": os.environ.get("SHARDED_JOB_NAME", ""),
+        "attempt": int(os.environ.get("SHARDED_ATTEMPT", "0")),
+    }
+    return {"url": url, "identity": identity} if url and identity["uid"] else {}
+
+
+def _record_exit(code: int) -> int:
+    """Leave this rank's exit code where the pod's launcher reads it (torchrun itself only says 1)."""
+    exit_dir = os.environ.get("SHARDED_EXIT_DIR")
+    if exit_dir:
+        rank = os.environ.get("RANK", "0")
+        with open(os.path.join(exit_dir, f"rank-{rank}"), "w") as f:
+            f.write(str(code))
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    return _record_exit(_main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     export = bool(argv) and argv[0] == "export"
     args = _export_parser().parse_args(argv[1:]) if export else _parser().parse_args(argv)
     try:
@@ -52,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = init_distributed(cfg.backend)
     try:
-        return train(cfg, env)
+        return train(cfg, env, _report_target())
     finally:
         shutdown()
 

@@ -35,7 +35,8 @@ def build_model(cfg: TrainerConfig) -> Transformer:
     return model
 
 
-def train(cfg: TrainerConfig, env: DistEnv) -> int:
+def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
+    """Train until cfg.steps or SIGTERM. `report` ({url, identity}) posts rank 0's progress to the operator."""
     stop = StopRequest()
     model = build_model(cfg)
     args = model.args
@@ -45,7 +46,11 @@ def train(cfg: TrainerConfig, env: DistEnv) -> int:
         world=env.world,
     )  # fmt: skip
     ckpt = CheckpointManager(cfg.checkpoint, env, cfg.steps)
-    progress = ProgressFile(cfg.progress_file if env.is_main else None, cfg.steps)
+    report = report or {}
+    progress = ProgressFile(
+        cfg.progress_file if env.is_main else None, cfg.steps,
+        url=report.get("url") if env.is_main else None, identity=report.get("identity"),
+    )  # fmt: skip
 
     step = 0
     resumed = ckpt.load_latest(strategy)
@@ -76,11 +81,13 @@ def train(cfg: TrainerConfig, env: DistEnv) -> int:
             progress.update(step=step, lastCheckpoint=ckpt.last_committed)
             if env.is_main:
                 emit({"event": "preempted", "step": step, "checkpoint": ckpt.last_committed})
+            progress.flush()
             return EXIT_PREEMPTED
     ckpt.wait()
     progress.update(step=step, lastCheckpoint=ckpt.last_committed)
     if env.is_main:
         emit({"event": "finished", "step": step, "checkpoint": ckpt.last_committed})
+    progress.flush()
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
     return 0

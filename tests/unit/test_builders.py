@@ -1,0 +1,165 @@
+"""Pod wiring: the rendezvous contract, GPUs, /dev/shm, InfiniBand, scheduling, storage."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from jobs import make_job
+from sharded_operator import builders
+from sharded_operator.settings import OperatorSettings
+from sharded_trainer.config import TrainerConfig
+
+SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
+
+
+def env_of(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_rendezvous_contract_for_a_gpu_job():
+    job = make_job("llm", "team").nodes(4).gpus(8).model()
+    pod = builders.build_pod(job, 2, attempt=3, settings=SETTINGS)
+    env = env_of(pod)
+    assert env["PET_NNODES"] == "4"
+    assert env["PET_NPROC_PER_NODE"] == "8"  # auto = GPUs per node
+    assert env["PET_NODE_RANK"] == "2"
+    assert env["PET_RDZV_BACKEND"] == "c10d"
+    assert env["PET_RDZV_ENDPOINT"] == "llm-0.llm.team.svc:29400"
+    assert env["PET_RDZV_ID"] == "uid-llm-3"  # a fresh rendezvous per attempt
+    assert env["MASTER_ADDR"] == "llm-0.llm.team.svc" and env["MASTER_PORT"] == "29400"
+    assert env["PET_MAX_RESTARTS"] == "0"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    assert pod["metadata"]["name"] == "llm-2"
+    assert pod["spec"]["hostname"] == "llm-2" and pod["spec"]["subdomain"] == "llm"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    res = pod["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == "8" == res["requests"]["nvidia.com/gpu"]
+    labels = pod["metadata"]["labels"]
+    assert labels[builders.LABEL_JOB] == "llm" and labels[builders.LABEL_INDEX] == "2"
+    assert labels[builders.LABEL_ATTEMPT] == "3"
+    assert env["SHARDED_PROGRESS_URL"] == "http://op:8080/progress"
+
+
+def test_cpu_job_falls_back_to_gloo_and_hides_gpus():
+    job = make_job().model()
+    env = env_of(builders.build_pod(job, 0, 1, SETTINGS))
+    assert env["PET_NPROC_PER_NODE"] == str(SETTINGS.cpu_procs_per_node)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert builders.backend(job) == "gloo"
+    assert builders.trainer_config(job).backend == "gloo"
+    assert builders.backend(make_job().gpus(1).model()) == "nccl"
+
+
+@pytest.mark.parametrize(
+    "memory,shm,expected",
+    [(None, None, str(2 * 2**30)), ("64Gi", None, str(32 * 2**30)), ("64Gi", "8Gi", "8Gi"), (None, "1G", "1G")],
+)
+def test_dev_shm_is_a_memory_backed_empty_dir(memory, shm, expected):
+    b = make_job()
+    if memory:
+        b.spec("resources.memory", memory)
+    if shm:
+        b.spec("shmSize", shm)
+    pod = builders.build_pod(b.model(), 0, 1, SETTINGS)
+    dshm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": expected}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["spec"]["containers"][0]["volumeMounts"]
+
+
+def test_infiniband_profile():
+    job = (
+        make_job().gpus(8)
+        .spec("network.infiniband", {"enabled": True, "hcas": "mlx5_0,mlx5_1", "gidIndex": 3, "resourceCount": 4})
+        .spec("network.socketInterface", "eth0")
+        .model()
+    )  # fmt: skip
+    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    c = pod["spec"]["containers"][0]
+    assert c["resources"]["limits"]["rdma/ib"] == "4"
+    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    env = env_of(pod)
+    assert env["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" and env["NCCL_IB_GID_INDEX"] == "3"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0" == env["GLOO_SOCKET_IFNAME"]
+
+
+def test_host_network_uses_cluster_dns_and_a_per_job_port():
+    a = make_job("a").gpus(8).spec("network.hostNetwork", True).model()
+    b = make_job("b").gpus(8).spec("network.hostNetwork", True).model()
+    pod = builders.build_pod(a, 0, 1, SETTINGS)
+    assert pod["spec"]["hostNetwork"] is True and pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert builders.rendezvous_port(a) != builders.rendezvous_port(b)
+    assert env_of(pod)["MASTER_PORT"] == str(builders.rendezvous_port(a))
+    assert builders.build_service(a)["spec"]["ports"][0]["port"] == builders.rendezvous_port(a)
+
+
+def test_elastic_job_passes_a_node_range_and_restarts_to_torchrun():
+    job = make_job().nodes(3).spec("elastic", {"minNodes": 2, "maxNodes": 4, "maxRestarts": 5}).model()
+    env = env_of(builders.build_pod(job, 0, 1, SETTINGS))
+    assert env["PET_NNODES"] == "2:4" and env["PET_MAX_RESTARTS"] == "5"
+
+
+def test_scheduling_knobs_kueue_and_volcano_gang():
+    job = (
+        make_job().nodes(4)
+        .spec("scheduling", {
+            "nodeSelector": {"pool": "h200"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "priorityClassName": "high", "queueName": "team-a", "gang": {"enabled": True, "provider": "volcano"},
+        })
+        .model()
+    )  # fmt: skip
+    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    assert pod["spec"]["nodeSelector"] == {"pool": "h200"}
+    assert pod["spec"]["priorityClassName"] == "high"
+    assert pod["spec"]["schedulerName"] == "volcano"
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "j"
+    group = builders.build_pod_group(job)
+    assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1" and group["spec"]["minMember"] == 4
+
+
+def test_scheduler_plugins_gang():
+    job = make_job().nodes(3).spec("scheduling", {"gang": {"enabled": True}}).model()
+    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "j"
+    assert builders.build_pod_group(job)["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert builders.build_pod_group(make_job().model()) is None
+
+
+def test_checkpoint_claim_is_mounted_and_configured():
+    job = make_job("run").spec("checkpoint", {"volumeClaim": {"size": "5Gi"}, "interval": 7, "keepLast": 2}).model()
+    pod = builders.build_pod(job, 1, 1, SETTINGS)
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "checkpoints")
+    assert vol["persistentVolumeClaim"]["claimName"] == "run-checkpoints"
+    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "checkpoints")
+    assert mount == {"name": "checkpoints", "mountPath": "/checkpoints", "subPath": "run"}
+    pvc = builders.build_pvc(job)
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    cfg = TrainerConfig.model_validate(yaml.safe_load(builders.build_config_map(job)["data"]["trainer.yaml"]))
+    assert cfg.checkpoint.dir == "/checkpoints" and cfg.checkpoint.interval == 7 and cfg.checkpoint.keep_last == 2
+    existing = make_job().spec("checkpoint", {"existingClaim": "mine"}).model()
+    assert builders.build_pvc(existing) is None
+
+
+def test_user_env_volumes_and_custom_command():
+    job = (
+        make_job()
+        .spec("pod", {"env": [{"name": "HF_HOME", "value": "/cache"}], "serviceAccountName": "trainer",
+                      "volumes": [{"name": "data", "emptyDir": {}}],
+                      "volumeMounts": [{"name": "data", "mountPath": "/data"}]})
+        .spec("command", ["train.py", "--lr", "1e-4"])
+        .model()
+    )  # fmt: skip
+    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    c = pod["spec"]["containers"][0]
+    assert env_of(pod)["HF_HOME"] == "/cache"
+    assert c["command"][-4:] == ["--", "train.py", "--lr", "1e-4"]
+    assert pod["spec"]["serviceAccountName"] == "trainer"
+    assert {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
+
+
+def test_headless_service_publishes_not_ready_addresses():
+    svc = builders.build_service(make_job("x").model())
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {builders.LABEL_JOB: "x"}

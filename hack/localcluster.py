@@ -167,6 +167,7 @@ class LocalCluster:
     workdir: Path
     bin_dir: Path
     gpu_nodes: int = 4
+    static_volumes: int = 32
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
 
@@ -284,6 +285,8 @@ class LocalCluster:
             )
             for i in range(self.gpu_nodes):
                 self.add_gpu_node(f"gpu-node-{i}")
+            for i in range(self.static_volumes):
+                self.add_volume(f"local-pv-{i}")
             self._wait_nodes_ready(timeout - (time.monotonic() - started))
         except BaseException:
             self.stop()
@@ -322,6 +325,27 @@ class LocalCluster:
                     "annotations": {"kwok.x-k8s.io/node": "fake"},
                 },
                 "status": {"capacity": cap, "allocatable": cap},
+            },
+        )
+
+    def add_volume(self, name: str, size: str = "100Gi") -> None:
+        """A pre-provisioned hostPath PersistentVolume: claims without a storage class bind to these."""
+        path = self.workdir / "volumes" / name
+        path.mkdir(parents=True, exist_ok=True)
+        self.api(
+            "POST",
+            "/api/v1/persistentvolumes",
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": name, "labels": {"local.sharded.dev/pool": "static"}},
+                "spec": {
+                    "capacity": {"storage": size},
+                    "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "storageClassName": "",
+                    "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
+                },
             },
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -131,7 +132,7 @@ class Kube:
         meta = job["metadata"]
         now = dt.datetime.now(dt.timezone.utc)
         body = {
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
             "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "reportingController": f"{GROUP}/operator",
             "reportingInstance": "sharded-operator",

@@ -1,0 +1,225 @@
+"""The operator against the real control plane: KWOK GPU nodes run the pods, annotations end them."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from conftest import wait_for
+from jobs import make_job
+from sharded_operator.builders import LABEL_ATTEMPT, LABEL_JOB
+from sharded_operator.models import GROUP, PLURAL, VERSION
+
+pytestmark = pytest.mark.integration
+
+
+class Ops:
+    """Small verbs over the API for readable tests."""
+
+    def __init__(self, core, custom, namespace):
+        self.core, self.custom, self.ns = core, custom, namespace
+
+    def create(self, builder) -> dict:
+        body = builder.obj()
+        body["metadata"] = {"name": body["metadata"]["name"]}
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
+
+    def job(self, name="j") -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def status(self, name="j") -> dict:
+        return self.job(name).get("status") or {}
+
+    def patch_spec(self, spec: dict, name="j") -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, {"spec": spec})
+
+    def pods(self, name="j") -> list:
+        return self.core.list_namespaced_pod(self.ns, label_selector=f"{LABEL_JOB}={name}").items
+
+    def wait_phase(self, phase: str, name="j", timeout=60) -> dict:
+        return wait_for(
+            lambda: (s := self.status(name)).get("phase") == phase and s, timeout=timeout, what=f"phase {phase}"
+        )
+
+    def wait_running_attempt(self, attempt: int, nodes: int, name="j") -> list:
+        def ready():
+            pods = [p for p in self.pods(name) if p.metadata.labels[LABEL_ATTEMPT] == str(attempt)]
+            ok = len(pods) == nodes and all(p.status.phase == "Running" for p in pods)
+            return ok and self.status(name).get("phase") == "Running" and pods
+
+        return wait_for(ready, timeout=60, what=f"attempt {attempt} running")
+
+    def exit(self, pod: str, code: int, reason: str | None = None) -> None:
+        ann = {"kwok.sharded.dev/exit-code": str(code)}
+        if reason:
+            ann["kwok.sharded.dev/reason"] = reason
+        self.core.patch_namespaced_pod(pod, self.ns, {"metadata": {"annotations": ann}})
+
+
+@pytest.fixture
+def ops(core, custom, namespace, operator):
+    return Ops(core, custom, namespace)
+
+
+def gpu_job(nodes=2, gpus=4):
+    return make_job("j").nodes(nodes).gpus(gpus).spec("failurePolicy.backoffLimit", 2)
+
+
+def test_job_runs_on_gpu_nodes_and_succeeds(ops, core):
+    ops.create(gpu_job(nodes=3))
+    pods = ops.wait_running_attempt(1, 3)
+    for p in pods:
+        assert p.spec.node_name.startswith("gpu-node-")
+        assert p.spec.containers[0].resources.limits["nvidia.com/gpu"] == "4"
+    assert {p.spec.node_name for p in pods}.__len__() >= 1
+    svc = core.read_namespaced_service("j", ops.ns)
+    assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
+    assert core.read_namespaced_config_map("j-config", ops.ns).data["trainer.yaml"]
+    status = ops.status()
+    assert status["ready"] == "3/3" and status["attempt"] == 1
+    for p in pods:
+        ops.exit(p.metadata.name, 0)
+    status = ops.wait_phase("Succeeded")
+    assert status["completionTime"] and status["restarts"] == 0
+    conds = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conds["Succeeded"] == "True" and conds["Running"] == "False"
+
+
+def test_retryable_failure_restarts_the_whole_gang_as_a_new_attempt(ops):
+    ops.create(gpu_job())
+    first = ops.wait_running_attempt(1, 2)
+    first_uids = {p.metadata.uid for p in first}
+    ops.exit("j-1", 137, "OOMKilled")
+    second = ops.wait_running_attempt(2, 2)
+    assert first_uids.isdisjoint({p.metadata.uid for p in second})  # fresh pods, node 0 included
+    env = {e.name: e.value for e in second[0].spec.containers[0].env}
+    assert env["PET_RDZV_ID"].endswith("-2")
+    status = ops.status()
+    assert status["restarts"] == 1
+    failure = status["lastFailure"]
+    assert failure["pod"] == "j-1" and failure["nodeRank"] == 1 and failure["exitCode"] == 137
+    assert failure["reason"] == "OOMKilled" and failure["node"].startswith("gpu-node-")
+
+
+def test_permanent_exit_code_fails_the_job_with_the_reason(ops):
+    ops.create(gpu_job().spec("failurePolicy.permanentExitCodes", [2, 42]))
+    ops.wait_running_attempt(1, 2)
+    ops.exit("j-0", 42)
+    status = ops.wait_phase("Failed")
+    assert status["lastFailure"]["exitCode"] == 42 and status["restarts"] == 0
+    assert "permanent" in status["message"]
+    # cleanPodPolicy Running: the survivor is deleted once the job has ended
+    wait_for(lambda: all(p.metadata.name != "j-1" or p.metadata.deletion_timestamp for p in ops.pods()), what="j-1 gone")
+
+
+def test_backoff_limit_exhausted_fails_the_job(ops):
+    ops.create(gpu_job().spec("failurePolicy.backoffLimit", 1))
+    ops.wait_running_attempt(1, 2)
+    ops.exit("j-0", 1)
+    ops.wait_running_attempt(2, 2)
+    ops.exit("j-0", 1)
+    status = ops.wait_phase("Failed")
+    assert status["restarts"] == 1
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"
+
+
+def test_node_loss_restarts_the_gang_on_remaining_nodes(ops, cluster, core):
+    ops.create(gpu_job())
+    pods = ops.wait_running_attempt(1, 2)
+    lost = pods[1].spec.node_name
+    core.delete_node(lost)
+    try:
+        second = ops.wait_running_attempt(2, 2)
+        assert lost not in {p.spec.node_name for p in second}
+        assert ops.status()["lastFailure"]["reason"] in ("NodeLost", "PodDeleted")
+    finally:
+        cluster.add_gpu_node(lost)
+
+
+def test_suspend_deletes_pods_and_resume_brings_them_back(ops):
+    ops.create(gpu_job())
+    ops.wait_running_attempt(1, 2)
+    ops.patch_spec({"runPolicy": {"suspend": True}})
+    ops.wait_phase("Suspended")
+    wait_for(lambda: not ops.pods(), timeout=30, what="pods deleted")
+    ops.patch_spec({"runPolicy": {"suspend": False}})
+    ops.wait_running_attempt(2, 2)
+    assert ops.status()["restarts"] == 0  # a suspension is not a failure
+
+
+def test_deleting_the_job_garbage_collects_children_but_keeps_the_checkpoint_claim(ops, core, custom):
+    ops.create(gpu_job().spec("checkpoint", {"volumeClaim": {"size": "1Gi"}}))
+    ops.wait_running_attempt(1, 2)
+    assert core.read_namespaced_persistent_volume_claim("j-checkpoints", ops.ns).status.phase == "Bound"
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, "j")
+
+    def gone():
+        try:
+            core.read_namespaced_service("j", ops.ns)
+            return False
+        except ApiException as e:
+            return e.status == 404 and not ops.pods() and not core.list_namespaced_config_map(
+                ops.ns, label_selector=f"{LABEL_JOB}=j"
+            ).items
+
+    wait_for(gone, timeout=60, what="children garbage-collected")
+    assert core.read_namespaced_persistent_volume_claim("j-checkpoints", ops.ns)  # the user's checkpoints stay
+
+
+def test_operator_killed_mid_reconcile_creates_no_duplicates(ops, operator):
+    ops.create(gpu_job(nodes=4, gpus=2))
+    wait_for(lambda: len(ops.pods()) >= 1, timeout=30, what="first pod")
+    operator.kill()  # somewhere between creating pods and writing status
+    operator.start()
+    pods = ops.wait_running_attempt(1, 4)
+    assert sorted(p.metadata.name for p in pods) == ["j-0", "j-1", "j-2", "j-3"]
+    assert len(ops.pods()) == 4
+    status = ops.status()
+    assert status["attempt"] == 1 and status["restarts"] == 0
+
+
+def test_progress_reported_by_rank_zero_shows_in_status(ops, operator):
+    job = ops.create(gpu_job())
+    ops.wait_running_attempt(1, 2)
+    report = {
+        "uid": job["metadata"]["uid"], "namespace": ops.ns, "name": "j", "attempt": 1, "step": 40,
+        "totalSteps": 100, "loss": 2.25, "tokensPerSecond": 123456.0, "updatedAt": "2026-01-01T00:00:00Z",
+        "lastCheckpoint": {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"},
+    }  # fmt: skip
+    req = urllib.request.Request(f"{operator.url}/progress", data=json.dumps(report).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.status == 200
+    status = wait_for(lambda: (s := ops.status()).get("progress", {}).get("step") == 40 and s, what="progress")
+    assert status["progress"]["loss"] == 2.25 and status["progress"]["totalSteps"] == 100
+    assert status["lastCheckpoint"] == {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"}
+    bad = urllib.request.Request(f"{operator.url}/progress", data=b"[1]", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(bad, timeout=5)
+    assert exc.value.code == 400
+
+
+def test_missing_gang_scheduler_fails_the_job_with_a_clear_message(ops):
+    ops.create(gpu_job().spec("scheduling", {"gang": {"enabled": True, "provider": "volcano"}}))
+    status = ops.wait_phase("Failed")
+    assert "scheduling.volcano.sh/v1beta1 PodGroup is not installed" in status["message"]
+    assert not ops.pods()
+
+
+def test_metrics_endpoint_reports_the_runs(ops, operator):
+    ops.create(gpu_job())
+    ops.wait_running_attempt(1, 2)
+    ops.exit("j-0", 1)
+    ops.wait_running_attempt(2, 2)
+    with urllib.request.urlopen(f"{operator.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sharded_")
+    }
+    assert values[f'sharded_job_restarts_total{{namespace="{ops.ns}"}}'] >= 1
+    assert values['sharded_job_failures_total{reason="Error"}'] >= 1
+    assert values['sharded_jobs{phase="Running"}'] >= 1
+    assert values["sharded_pods_created_total"] >= 4
+    assert values["sharded_reconcile_duration_seconds_count"] > 0

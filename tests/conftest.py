@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import localcluster
+from localstack import OperatorProcess
 import pytest
 import yaml
 
@@ -98,64 +96,9 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: flo
     pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}" + (f": {last_exc}" if last_exc else ""))
 
 
-class OperatorProcess:
-    """`python -m sharded_operator` as a real process against the local cluster."""
-
-    def __init__(self, kubeconfig: Path, log: Path, **settings: str):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-        self.env = {
-            **os.environ,
-            "KUBECONFIG": str(kubeconfig),
-            "SHARDED_OPERATOR_HTTP_HOST": "127.0.0.1",
-            "SHARDED_OPERATOR_HTTP_PORT": str(port),
-            "SHARDED_OPERATOR_PROGRESS_URL": f"{self.url}/progress",
-            "SHARDED_OPERATOR_RESYNC_SECONDS": "1",
-            "SHARDED_OPERATOR_RESTART_GRACE_SECONDS": "0",
-            "SHARDED_OPERATOR_SUSPEND_GRACE_SECONDS": "5",
-            "SHARDED_OPERATOR_LOG_FORMAT": "plain",
-            **{f"SHARDED_OPERATOR_{k.upper()}": v for k, v in settings.items()},
-        }
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> OperatorProcess:
-        import urllib.request
-
-        out = open(self.log, "ab")  # noqa: SIM115 - owned by the child process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sharded_operator"], env=self.env, stdout=out, stderr=subprocess.STDOUT
-        )
-
-        def healthy():
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
-                return r.status == 200
-
-        wait_for(healthy, timeout=60, what="operator /healthz")
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, as a crashed or OOM-killed operator."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 @pytest.fixture(scope="session")
 def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log").start()
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster.kubeconfig, log, RESTART_GRACE_SECONDS="0", SUSPEND_GRACE_SECONDS="5").start()
     yield op
     op.stop()

@@ -287,6 +287,8 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
         "restartPolicy": "Never",  # the operator restarts the whole gang, never one pod
         "terminationGracePeriodSeconds": settings.suspend_grace_seconds,
         "enableServiceLinks": False,
+        # Training needs no API access: progress goes to the operator over HTTP, not through the API.
+        "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": volumes,
     }

@@ -1,0 +1,138 @@
+"""The whole local setup for end-to-end runs: control plane + node agent + the operator as a process.
+
+Used by `make demo` (hack/demo.py) and the e2e tests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import localcluster
+import yaml
+from nodeagent import GATEWAY, NodeAgent
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD_FILE = ROOT / "crds" / "training.sharded.dev_shardedtrainingjobs.yaml"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class OperatorProcess:
+    """`python -m sharded_operator` as a real process against a cluster."""
+
+    def __init__(self, kubeconfig: Path, log: Path, host: str = "127.0.0.1", **settings: str):
+        port = free_port(host)
+        self.url = f"http://{host}:{port}"
+        self.log = log
+        self.env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "SHARDED_OPERATOR_HTTP_HOST": host,
+            "SHARDED_OPERATOR_HTTP_PORT": str(port),
+            "SHARDED_OPERATOR_PROGRESS_URL": f"{self.url}/progress",
+            "SHARDED_OPERATOR_RESYNC_SECONDS": "1",
+            "SHARDED_OPERATOR_LOG_FORMAT": "plain",
+            **{f"SHARDED_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()},
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60) -> OperatorProcess:
+        out = open(self.log, "ab")  # noqa: SIM115 - owned by the child process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sharded_operator"], env=self.env, stdout=out, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"operator not healthy after {timeout}s; see {self.log}")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a crashed or OOM-killed operator."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def install_crd(kubeconfig: Path) -> None:
+    from kubernetes import client, config
+    from kubernetes.client.rest import ApiException
+
+    ext = client.ApiextensionsV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
+    body = yaml.safe_load(CRD_FILE.read_text())
+    try:
+        ext.create_custom_resource_definition(body)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        conds = ext.read_custom_resource_definition(body["metadata"]["name"]).status.conditions or []
+        if any(c.type == "Established" and c.status == "True" for c in conds):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("CRD not Established")
+
+
+class LocalStack:
+    """Start order matters: the agent's bridge must exist before the operator binds to its gateway."""
+
+    def __init__(self, workdir: Path, nodes: int = 2):
+        self.workdir = workdir
+        self.cluster = localcluster.LocalCluster(workdir=workdir, bin_dir=localcluster.binaries_dir(), gpu_nodes=0)
+        self.nodes = nodes
+        self.agent: NodeAgent | None = None
+        self.operator: OperatorProcess | None = None
+
+    def start(self) -> LocalStack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.cluster.start()
+            install_crd(self.cluster.kubeconfig)
+            names = [f"local-node-{i}" for i in range(self.nodes)]
+            self.agent = NodeAgent(str(self.cluster.kubeconfig), self.workdir / "nodeagent", names).start()
+            self.operator = OperatorProcess(
+                self.cluster.kubeconfig, self.workdir / "operator.log", host=GATEWAY,
+                RESTART_GRACE_SECONDS="10", SUSPEND_GRACE_SECONDS="60",
+            ).start()  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.operator:
+            self.operator.stop()
+        if self.agent:
+            self.agent.stop()
+        self.cluster.stop()
+
+    def claim_dir(self, namespace: str, claim: str) -> Path:
+        """The host directory behind a bound claim (the static PVs are hostPath)."""
+        pvc = self.cluster.api("GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+        pv = self.cluster.api("GET", f"/api/v1/persistentvolumes/{pvc['spec']['volumeName']}")
+        return Path(pv["spec"]["hostPath"]["path"])

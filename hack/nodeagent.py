@@ -1,0 +1,448 @@
+"""A local node agent: registers nodes in the local control plane and runs the pods scheduled onto them
+as real processes, like a kubelet without containers. Dev and test tooling; not part of the operator.
+
+Each pod gets a network namespace (veth on a bridge, its own IP), its own hostname (UTS namespace) and
+mount namespace, and `/etc/netns/<ns>/hosts` listing every pod of its namespace as
+`<pod>.<subdomain>.<namespace>.svc`, so a job's peers resolve to each other exactly as in a cluster.
+Volumes: ConfigMap -> files, PVC -> its bound PV's hostPath directory (subPath honoured), emptyDir ->
+a directory (a size-limited tmpfs for `medium: Memory`, which is how /dev/shm is sized). Images are
+ignored: `python` is this project's virtualenv interpreter. Requires root (as in CI) for namespaces.
+
+    python hack/nodeagent.py --kubeconfig .cluster/kubeconfig --nodes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import ipaddress
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BRIDGE = "shbr0"
+SUBNET = ipaddress.ip_network("10.203.0.0/16")
+GATEWAY = "10.203.0.1"
+NODE_LABEL = "local"
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def can_isolate() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("unshare") is not None
+
+
+@dataclass
+class PodRun:
+    uid: str
+    namespace: str
+    name: str
+    netns: str
+    ip: str
+    workdir: Path
+    proc: subprocess.Popen | None = None
+    reported_exit: bool = False
+    killing: bool = False
+    mounts: list[str] = field(default_factory=list)
+
+
+class NodeAgent:
+    """Runs the pods bound to `nodes` until stop(); see the module docstring."""
+
+    def __init__(self, kubeconfig: str, workdir: Path, nodes: list[str], cpu: str = "8", memory: str = "32Gi"):
+        from kubernetes import client, config
+
+        if not can_isolate():
+            raise RuntimeError(
+                "the node agent needs root and iproute2/util-linux (ip, unshare) to give each pod its own network "
+                "namespace and hostname; run it as root (CI does), or use the KWOK-only integration tier"
+            )
+        self.api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+        self.workdir, self.nodes = workdir, nodes
+        self.capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"}
+        self.runs: dict[str, PodRun] = {}
+        self._next_ip = 10
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.python_bin = str(Path(sys.executable).parent)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> NodeAgent:
+        self._setup_bridge()
+        for name in self.nodes:
+            self._register(name)
+        self._thread = threading.Thread(target=self._loop, name="nodeagent", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop every pod process (SIGTERM, then SIGKILL), remove namespaces, bridge and nodes."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=30)
+        for run in list(self.runs.values()):
+            self._kill(run, grace=5)
+            self._cleanup(run)
+        for name in self.nodes:
+            with contextlib.suppress(Exception):
+                self.api.delete_node(name)
+        sh("ip", "link", "del", BRIDGE, check=False)
+
+    def _setup_bridge(self) -> None:
+        if sh("ip", "link", "show", BRIDGE, check=False).returncode != 0:
+            sh("ip", "link", "add", BRIDGE, "type", "bridge")
+            sh("ip", "addr", "add", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+
+    def _register(self, name: str) -> None:
+        from kubernetes.client.rest import ApiException
+
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": {"type": NODE_LABEL, "kubernetes.io/hostname": name}},
+        }
+        try:
+            self.api.create_node(body)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        self._heartbeat(name)
+
+    def _heartbeat(self, name: str) -> None:
+        t = now()
+        conditions = [
+            {"type": "Ready", "status": "True", "reason": "AgentReady", "message": "node agent is running"},
+            *({"type": c, "status": "False", "reason": "AgentReady", "message": "ok"}
+              for c in ("MemoryPressure", "DiskPressure", "PIDPressure")),
+        ]  # fmt: skip
+        for c in conditions:
+            c.update(lastHeartbeatTime=t, lastTransitionTime=t)
+        status = {
+            "capacity": self.capacity,
+            "allocatable": self.capacity,
+            "conditions": conditions,
+            "addresses": [{"type": "InternalIP", "address": GATEWAY}, {"type": "Hostname", "address": name}],
+            "nodeInfo": {"kubeletVersion": "nodeagent", "operatingSystem": "linux", "architecture": "amd64",
+                         "containerRuntimeVersion": "process", "kernelVersion": os.uname().release},
+        }  # fmt: skip
+        self.api.patch_node_status(name, {"status": status})
+
+    # --- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        last_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() - last_beat > 10:
+                    for n in self.nodes:
+                        self._heartbeat(n)
+                    last_beat = time.monotonic()
+                self._sync()
+            except Exception as e:  # an API hiccup must not stop the node
+                print(f"[nodeagent] sync error: {e!r}", file=sys.stderr)
+            self._stop.wait(0.5)
+
+    def _sync(self) -> None:
+        seen: set[str] = set()
+        pods = [
+            p
+            for n in self.nodes
+            for p in self.api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={n}").items
+        ]
+        for pod in pods:
+            uid = pod.metadata.uid
+            seen.add(uid)
+            run = self.runs.get(uid)
+            if pod.metadata.deletion_timestamp:
+                if run and not run.killing:
+                    run.killing = True
+                    grace = pod.metadata.deletion_grace_period_seconds
+                    threading.Thread(target=self._terminate, args=(run, pod, grace), daemon=True).start()
+                elif not run:
+                    self._delete_pod_object(pod)
+                continue
+            if run is None and pod.status.phase == "Pending":
+                self._start(pod)
+            elif run and run.proc and run.proc.poll() is not None and not run.reported_exit:
+                self._report_exit(run, pod)
+        for uid, run in list(self.runs.items()):
+            if uid not in seen:  # the pod object is gone (force-deleted): nothing may keep running
+                self._kill(run, grace=0)
+                self._cleanup(run)
+                del self.runs[uid]
+
+    # --- one pod --------------------------------------------------------------------------------
+    def _start(self, pod) -> None:
+        ip = str(SUBNET.network_address + self._next_ip)
+        self._next_ip += 1
+        uid = pod.metadata.uid
+        run = PodRun(uid=uid, namespace=pod.metadata.namespace, name=pod.metadata.name, netns=f"sp-{uid[:8]}",
+                     ip=ip, workdir=self.workdir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}_{uid[:8]}")  # fmt: skip
+        self.runs[uid] = run
+        run.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._network(run)
+            script = self._script(pod, run)
+        except Exception as e:
+            self._patch_status(pod, {"phase": "Failed", "reason": "AgentError", "message": str(e)[:500]})
+            run.reported_exit = True
+            self._cleanup(run)
+            return
+        log = open(run.workdir / "container.log", "ab")  # noqa: SIM115 - owned by the child
+        run.proc = subprocess.Popen(
+            ["ip", "netns", "exec", run.netns, "unshare", "--uts", "--mount", "--propagation", "private",
+             "sh", str(script)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self._refresh_hosts(run.namespace)
+        container = pod.spec.containers[0]
+        t = now()
+        self._patch_status(
+            pod,
+            {
+                "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": GATEWAY, "startTime": t,
+                "conditions": [{"type": c, "status": "True", "lastTransitionTime": t}
+                               for c in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+                "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "",
+                                       "ready": True, "restartCount": 0, "started": True,
+                                       "state": {"running": {"startedAt": t}}}],
+            },
+        )  # fmt: skip
+
+    def _network(self, run: PodRun) -> None:
+        host_if, pod_if = f"vh{run.uid[:8]}", f"vp{run.uid[:8]}"
+        sh("ip", "netns", "add", run.netns)
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", pod_if)
+        sh("ip", "link", "set", host_if, "master", BRIDGE, "up")
+        sh("ip", "link", "set", pod_if, "netns", run.netns)
+        ns = ["ip", "netns", "exec", run.netns]
+        sh(*ns, "ip", "link", "set", pod_if, "name", "eth0")
+        sh(*ns, "ip", "addr", "add", f"{run.ip}/{SUBNET.prefixlen}", "dev", "eth0")
+        sh(*ns, "ip", "link", "set", "eth0", "up")
+        sh(*ns, "ip", "link", "set", "lo", "up")
+        sh(*ns, "ip", "route", "add", "default", "via", GATEWAY)
+        etc = Path("/etc/netns") / run.netns
+        etc.mkdir(parents=True, exist_ok=True)
+        # Names outside the hosts file fail fast instead of waiting on an unreachable resolver.
+        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost\n")
+
+    def _refresh_hosts(self, namespace: str) -> None:
+        """Every pod of the namespace gets `<ip> <host>.<subdomain>.<ns>.svc[.cluster.local] <host>` lines."""
+        lines = ["127.0.0.1 localhost"]
+        for pod in self.api.list_namespaced_pod(namespace).items:
+            run = self.runs.get(pod.metadata.uid)
+            if not run or pod.metadata.deletion_timestamp:
+                continue
+            host = pod.spec.hostname or pod.metadata.name
+            names = [host]
+            if pod.spec.subdomain:
+                fq = f"{host}.{pod.spec.subdomain}.{namespace}.svc"
+                names = [f"{fq}.cluster.local", fq, host]
+            lines.append(f"{run.ip} {' '.join(names)}")
+        text = "\n".join(lines) + "\n"
+        for run in self.runs.values():
+            hosts = Path("/etc/netns") / run.netns / "hosts"
+            if run.namespace == namespace and hosts.exists():
+                # Rewrite in place: `ip netns exec` bind-mounted this very inode over /etc/hosts.
+                with open(hosts, "r+") as f:
+                    f.seek(0)
+                    f.write(text)
+                    f.truncate()
+
+    def _env(self, pod, run: PodRun) -> dict[str, str]:
+        env = {
+            "PATH": f"{self.python_bin}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/root",
+            "HOSTNAME": pod.spec.hostname or pod.metadata.name,
+            "PYTHONUNBUFFERED": "1",
+        }
+        fields = {
+            "metadata.name": pod.metadata.name, "metadata.namespace": pod.metadata.namespace,
+            "metadata.uid": pod.metadata.uid, "spec.nodeName": pod.spec.node_name, "status.podIP": run.ip,
+            "status.hostIP": GATEWAY, "spec.serviceAccountName": pod.spec.service_account_name or "default",
+        }  # fmt: skip
+        for e in pod.spec.containers[0].env or []:
+            if e.value is not None:
+                env[e.name] = e.value
+            elif e.value_from and e.value_from.field_ref:
+                env[e.name] = fields.get(e.value_from.field_ref.field_path, "")
+        return env
+
+    def _volume_source(self, pod, run: PodRun, volume) -> tuple[Path, str | None]:
+        """(host directory, tmpfs size or None) for one pod volume."""
+        base = run.workdir / "volumes" / volume.name
+        if volume.config_map:
+            base.mkdir(parents=True, exist_ok=True)
+            cm = self.api.read_namespaced_config_map(volume.config_map.name, pod.metadata.namespace)
+            for key, value in (cm.data or {}).items():
+                (base / key).write_text(value)
+            return base, None
+        if volume.persistent_volume_claim:
+            pvc = self.api.read_namespaced_persistent_volume_claim(
+                volume.persistent_volume_claim.claim_name, pod.metadata.namespace
+            )
+            if not pvc.spec.volume_name:
+                raise RuntimeError(f"claim {pvc.metadata.name} is not bound")
+            pv = self.api.read_persistent_volume(pvc.spec.volume_name)
+            if not pv.spec.host_path:
+                raise RuntimeError(f"volume {pv.metadata.name} is not a hostPath volume")
+            return Path(pv.spec.host_path.path), None
+        if volume.empty_dir is not None:
+            base.mkdir(parents=True, exist_ok=True)
+            memory = volume.empty_dir.medium == "Memory"
+            return base, (volume.empty_dir.size_limit or "64Mi") if memory else None
+        if volume.host_path:
+            return Path(volume.host_path.path), None
+        if volume.projected:  # service-account token and CA: nothing a training process may use here
+            base.mkdir(parents=True, exist_ok=True)
+            return base, None
+        raise RuntimeError(f"volume {volume.name}: only configMap, persistentVolumeClaim, emptyDir, hostPath")
+
+    def _script(self, pod, run: PodRun) -> Path:
+        container = pod.spec.containers[0]
+        volumes = {v.name: v for v in pod.spec.volumes or []}
+        lines = ["set -e", f"hostname {shlex.quote(pod.spec.hostname or pod.metadata.name)}"]
+        for m in container.volume_mounts or []:
+            if m.name not in volumes:
+                continue
+            src, tmpfs = self._volume_source(pod, run, volumes[m.name])
+            if m.sub_path:
+                src = src / m.sub_path
+                src.mkdir(parents=True, exist_ok=True)
+            target = shlex.quote(m.mount_path)
+            # The mount point must exist in the shared filesystem; the mount itself stays in the pod's namespace.
+            Path(m.mount_path).mkdir(parents=True, exist_ok=True)
+            if tmpfs:
+                lines.append(f"mount -t tmpfs -o size={int(_bytes(tmpfs))} tmpfs {target}")
+            else:
+                lines.append(f"mount --bind {shlex.quote(str(src))} {target}")
+            if m.read_only:
+                lines.append(f"mount -o remount,bind,ro {target}")
+        cmd = [*(container.command or []), *(container.args or [])]
+        env = self._env(pod, run)
+        lines.append(f"cd {shlex.quote(container.working_dir or str(run.workdir))}")
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        lines.append(f"exec env -i {exports} {' '.join(shlex.quote(c) for c in cmd)}")
+        script = run.workdir / "run.sh"
+        script.write_text("\n".join(lines) + "\n")
+        return script
+
+    def _report_exit(self, run: PodRun, pod) -> None:
+        assert run.proc is not None
+        code = run.proc.returncode
+        if code < 0:  # killed by a signal: report as the shell would
+            code = 128 - code
+        t = now()
+        container = pod.spec.containers[0]
+        reason = "Completed" if code == 0 else "Error"
+        self._patch_status(
+            pod,
+            {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "conditions": [{"type": c, "status": "False", "lastTransitionTime": t} for c in ("Ready", "ContainersReady")],
+                "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "", "ready": False,
+                                       "restartCount": 0, "started": False,
+                                       "state": {"terminated": {"exitCode": code, "reason": reason, "finishedAt": t}}}],
+            },
+        )  # fmt: skip
+        run.reported_exit = True
+        self._cleanup(run)
+        self._refresh_hosts(run.namespace)
+
+    def _terminate(self, run: PodRun, pod, grace: int | None) -> None:
+        self._kill(run, grace=30 if grace is None else grace)
+        if run.proc and not run.reported_exit:
+            self._report_exit(run, pod)
+        self._cleanup(run)
+        self._delete_pod_object(pod)
+        self.runs.pop(run.uid, None)
+
+    def _kill(self, run: PodRun, grace: float) -> None:
+        """SIGTERM the pod's process group, wait up to `grace` seconds, then SIGKILL."""
+        if not run.proc or run.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.proc.pid, signal.SIGTERM)
+        try:
+            run.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
+        # Workers torchrun started may have left the group: sweep the namespace's processes too.
+        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    def _cleanup(self, run: PodRun) -> None:
+        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        sh("ip", "netns", "del", run.netns, check=False)
+        shutil.rmtree(Path("/etc/netns") / run.netns, ignore_errors=True)
+
+    def _delete_pod_object(self, pod) -> None:
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.api.delete_namespaced_pod(
+                pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0,
+                body=client.V1DeleteOptions(grace_period_seconds=0, preconditions={"uid": pod.metadata.uid}),
+            )  # fmt: skip
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+
+    def _patch_status(self, pod, status: dict) -> None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.api.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, {"status": status})
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+
+def _bytes(q: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    for u, f in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if str(q).endswith(u):
+            return float(str(q)[: -len(u)]) * f
+    return float(q)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path(".cluster") / "nodeagent")
+    args = parser.parse_args(argv)
+    agent = NodeAgent(args.kubeconfig, args.workdir.resolve(), [f"local-node-{i}" for i in range(args.nodes)]).start()
+    print(json.dumps({"nodes": agent.nodes, "bridge": BRIDGE, "gateway": GATEWAY}), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    agent.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

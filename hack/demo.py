@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import localcluster
 import yaml
+
+import localcluster
 from localstack import ROOT, LocalStack
 from nodeagent import can_isolate
 
@@ -54,16 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     job = yaml.safe_load(Path(args.example).read_text())
     name, ns = job["metadata"]["name"], "default"
     try:
-        stack.cluster.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}", job)
-        say(
-            f"applied {Path(args.example).name}: {job['spec']['nodes']} nodes, strategy {job['spec']['strategy']['type']}"
-        )
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}"
+        stack.cluster.api("POST", path, job)
+        spec = job["spec"]
+        say(f"applied {Path(args.example).name}: {spec['nodes']} nodes, strategy {spec['strategy']['type']}")
         started, last = time.monotonic(), None
         status: dict = {}
         while time.monotonic() - started < args.timeout:
-            status = stack.cluster.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}").get(
-                "status", {}
-            )
+            status = stack.cluster.api("GET", f"{path}/{name}").get("status", {})
             prog, ck = status.get("progress") or {}, status.get("lastCheckpoint") or {}
             line = (
                 f"{time.monotonic() - started:5.0f}s  phase={status.get('phase')}  ready={status.get('ready')}  "

@@ -13,8 +13,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-import localcluster
 import yaml
+
+import localcluster
 from nodeagent import GATEWAY, NodeAgent
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -191,8 +191,9 @@ class NodeAgent:
         ip = str(SUBNET.network_address + self._next_ip)
         self._next_ip += 1
         uid = pod.metadata.uid
-        run = PodRun(uid=uid, namespace=pod.metadata.namespace, name=pod.metadata.name, netns=f"sp-{uid[:8]}",
-                     ip=ip, workdir=self.workdir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}_{uid[:8]}")  # fmt: skip
+        ns, name = pod.metadata.namespace, pod.metadata.name
+        workdir = self.workdir / "pods" / f"{ns}_{name}_{uid[:8]}"
+        run = PodRun(uid=uid, namespace=ns, name=name, netns=f"sp-{uid[:8]}", ip=ip, workdir=workdir)
         self.runs[uid] = run
         run.workdir.mkdir(parents=True, exist_ok=True)
         try:
@@ -355,7 +356,9 @@ class NodeAgent:
             pod,
             {
                 "phase": "Succeeded" if code == 0 else "Failed",
-                "conditions": [{"type": c, "status": "False", "lastTransitionTime": t} for c in ("Ready", "ContainersReady")],
+                "conditions": [
+                    {"type": c, "status": "False", "lastTransitionTime": t} for c in ("Ready", "ContainersReady")
+                ],
                 "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "", "ready": False,
                                        "restartCount": 0, "started": False,
                                        "state": {"terminated": {"exitCode": code, "reason": reason, "finishedAt": t}}}],

@@ -6,10 +6,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import localcluster
-from localstack import OperatorProcess
 import pytest
 import yaml
+
+import localcluster
+from localstack import OperatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "crds" / "training.sharded.dev_shardedtrainingjobs.yaml"

@@ -11,10 +11,10 @@ import zlib
 from typing import Any
 
 import yaml
-from sharded_trainer.config import CheckpointConfig, TrainerConfig
 
 from sharded_operator.models import ShardedTrainingJob
 from sharded_operator.settings import OperatorSettings
+from sharded_trainer.config import CheckpointConfig, TrainerConfig
 
 LABEL_JOB = "training.sharded.dev/job-name"
 LABEL_INDEX = "training.sharded.dev/node-index"

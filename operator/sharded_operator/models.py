@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
 from sharded_trainer.config import (
     RESERVED_ENV,
     RESERVED_ENV_PREFIX,

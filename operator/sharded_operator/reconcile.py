@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-from sharded_trainer.config import format_validation_error
 
 from sharded_operator import builders
 from sharded_operator.k8s import Kube, MissingAPI
@@ -18,6 +17,7 @@ from sharded_operator.models import ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.settings import OperatorSettings
 from sharded_operator.status import Observed, PodView, decide, iso, set_phase
 from sharded_operator.web import Metrics, ProgressStore
+from sharded_trainer.config import format_validation_error
 
 
 @dataclass

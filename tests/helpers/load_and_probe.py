@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from sharded_trainer.checkpoint import step_dir
 from sharded_trainer.config import load_config
 from sharded_trainer.dist import init_distributed

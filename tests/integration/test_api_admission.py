@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 from kubernetes.client.rest import ApiException
+
 from manifests import EXAMPLES, MALFORMED, load_example, mutate
 from sharded_operator.models import GROUP, PLURAL, VERSION
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import wait_for
 from kubernetes.client.rest import ApiException
+
+from conftest import wait_for
 
 pytestmark = pytest.mark.integration
 

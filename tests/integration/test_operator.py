@@ -112,7 +112,9 @@ def test_permanent_exit_code_fails_the_job_with_the_reason(ops):
     assert status["lastFailure"]["exitCode"] == 42 and status["restarts"] == 0
     assert "permanent" in status["message"]
     # cleanPodPolicy Running: the survivor is deleted once the job has ended
-    wait_for(lambda: all(p.metadata.name != "j-1" or p.metadata.deletion_timestamp for p in ops.pods()), what="j-1 gone")
+    wait_for(
+        lambda: all(p.metadata.name != "j-1" or p.metadata.deletion_timestamp for p in ops.pods()), what="j-1 gone"
+    )
 
 
 def test_backoff_limit_exhausted_fails_the_job(ops):
@@ -161,9 +163,11 @@ def test_deleting_the_job_garbage_collects_children_but_keeps_the_checkpoint_cla
             core.read_namespaced_service("j", ops.ns)
             return False
         except ApiException as e:
-            return e.status == 404 and not ops.pods() and not core.list_namespaced_config_map(
-                ops.ns, label_selector=f"{LABEL_JOB}=j"
-            ).items
+            return (
+                e.status == 404
+                and not ops.pods()
+                and not core.list_namespaced_config_map(ops.ns, label_selector=f"{LABEL_JOB}=j").items
+            )
 
     wait_for(gone, timeout=60, what="children garbage-collected")
     assert core.read_namespaced_persistent_volume_claim("j-checkpoints", ops.ns)  # the user's checkpoints stay
@@ -194,7 +198,11 @@ def test_progress_reported_by_rank_zero_shows_in_status(ops, operator):
         assert r.status == 200
     status = wait_for(lambda: (s := ops.status()).get("progress", {}).get("step") == 40 and s, what="progress")
     assert status["progress"]["loss"] == 2.25 and status["progress"]["totalSteps"] == 100
-    assert status["lastCheckpoint"] == {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"}
+    assert status["lastCheckpoint"] == {
+        "step": 30,
+        "path": "/checkpoints/step-00000030",
+        "time": "2026-01-01T00:00:00Z",
+    }
     bad = urllib.request.Request(f"{operator.url}/progress", data=b"[1]", method="POST")
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(bad, timeout=5)
@@ -216,7 +224,9 @@ def test_metrics_endpoint_reports_the_runs(ops, operator):
     with urllib.request.urlopen(f"{operator.url}/metrics", timeout=5) as r:
         text = r.read().decode()
     values = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sharded_")
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sharded_")
     }
     assert values[f'sharded_job_restarts_total{{namespace="{ops.ns}"}}'] >= 1
     assert values['sharded_job_failures_total{reason="Error"}'] >= 1

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+
 from helpers.torchrun_jobs import ROOT, Run, run_job, start_agents, wait_agents, write_config
 from sharded_trainer.checkpoint import MARKER, committed_steps, step_dir
 from sharded_trainer.config import load_config

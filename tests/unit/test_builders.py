@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+
 from jobs import make_job
 from sharded_operator import builders
 from sharded_operator.settings import OperatorSettings

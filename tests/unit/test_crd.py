@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import yaml
+
 from conftest import CRD_FILE
 from sharded_operator import crdgen
 

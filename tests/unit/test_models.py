@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from manifests import EXAMPLES, MALFORMED, load_example, mutate
 from pydantic import ValidationError
+
+from manifests import EXAMPLES, MALFORMED, load_example, mutate
 from sharded_operator.models import ShardedTrainingJob
 from sharded_trainer.config import format_validation_error
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+
 from jobs import make_job
 from sharded_operator.status import Observed, PodView, decide, iso
 

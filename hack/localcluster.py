@@ -293,13 +293,13 @@ class LocalCluster:
             raise
         return self
 
-    def api(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request to the API server as the cluster admin."""
+    def api(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json") -> dict:
+        """One JSON request to the API server as the cluster admin (PATCH: pass a patch content type)."""
         ctx = ssl.create_default_context(cafile=str(self.workdir / "pki" / "ca.crt"))
         ctx.load_cert_chain(self.workdir / "pki" / "admin.crt", self.workdir / "pki" / "admin.key")
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
-            self.server + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            self.server + path, data=data, method=method, headers={"Content-Type": content_type}
         )
         with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
             raw = resp.read()

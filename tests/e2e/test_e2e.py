@@ -1,0 +1,170 @@
+"""End to end: kubectl-style apply -> pods run as real processes -> training -> checkpoints -> Succeeded,
+and the failure paths (killed process, suspend, permanent failure, deletion) with real trainers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from localstack import LocalStack
+from nodeagent import can_isolate
+from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_trainer.checkpoint import committed_steps
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not can_isolate(), reason="pods run in network namespaces: needs root and iproute2"),
+]
+NS = "default"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = LocalStack(Path(tempfile.mkdtemp(prefix="sharded-e2e-"))).start()
+    yield s
+    s.stop()
+
+
+def job(name: str, strategy: str = "fsdp", steps: int = 30, **spec) -> dict:
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "ShardedTrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "image": "sharded-training/trainer:0.1.0-cpu",
+            "nodes": 2,
+            "procsPerNode": 2,
+            "strategy": {"type": strategy},
+            "trainer": {
+                "model": {"preset": "tiny"}, "steps": steps, "microBatchSize": 4, "seqLen": 64,
+                "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 2,
+            },
+            "resources": {"cpu": 1, "memory": "2Gi"},
+            "checkpoint": {"volumeClaim": {"size": "1Gi"}, "interval": 10, "keepLast": 5},
+            "failurePolicy": {"backoffLimit": 2},
+            **spec,
+        },
+    }  # fmt: skip
+    return body
+
+
+class Jobs:
+    def __init__(self, stack: LocalStack):
+        self.stack = stack
+        self.path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
+
+    def create(self, body: dict) -> dict:
+        return self.stack.cluster.api("POST", self.path, body)
+
+    def status(self, name: str) -> dict:
+        return self.stack.cluster.api("GET", f"{self.path}/{name}").get("status") or {}
+
+    def patch(self, name: str, spec: dict) -> None:
+        self.stack.cluster.api("PATCH", f"{self.path}/{name}", {"spec": spec}, "application/merge-patch+json")
+
+    def delete(self, name: str) -> None:
+        self.stack.cluster.api("DELETE", f"{self.path}/{name}")
+
+    def wait(self, name: str, pred, timeout: float = 240, what: str = "") -> dict:
+        return wait_for(lambda: (s := self.status(name)) and pred(s) and s, timeout=timeout, interval=0.5, what=what)
+
+    def checkpoints(self, name: str) -> list[int]:
+        return committed_steps(self.stack.claim_dir(NS, f"{name}-checkpoints") / name)
+
+    def logs(self, name: str) -> str:
+        return "\n".join(
+            p.read_text()
+            for p in sorted((self.stack.workdir / "nodeagent" / "pods").glob(f"{NS}_{name}-*/container.log"))
+        )
+
+    def runs(self, name: str):
+        return [r for r in self.stack.agent.runs.values() if r.name.startswith(f"{name}-")]
+
+
+@pytest.fixture
+def jobs(stack):
+    j = Jobs(stack)
+    yield j
+    for item in stack.cluster.api("GET", j.path)["items"]:
+        j.delete(item["metadata"]["name"])
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_job_trains_to_success_with_checkpoints_on_the_claim(jobs, strategy):
+    name = f"e2e-{strategy}"
+    jobs.create(job(name, strategy))
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["progress"]["step"] == 30 and status["lastCheckpoint"]["step"] == 30
+    assert status["progress"]["loss"] < 4.0  # chance is ln(256) = 5.5
+    assert jobs.checkpoints(name) == [10, 20, 30]
+
+
+def test_killed_pod_process_restarts_the_gang_and_resumes_from_the_newest_checkpoint(jobs, stack):
+    name = "e2e-kill"
+    jobs.create(job(name, steps=80))
+    jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
+    victim = next(r for r in jobs.runs(name) if r.name == f"{name}-1")
+    os.killpg(victim.proc.pid, signal.SIGKILL)  # a crash: no checkpoint, no goodbye
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["restarts"] == 1 and status["attempt"] == 2
+    failure = status["lastFailure"]
+    assert failure["pod"] == f"{name}-1" and failure["nodeRank"] == 1 and failure["exitCode"] == 137
+    resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
+    assert resumed and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0
+    assert status["progress"]["step"] == 80 and jobs.checkpoints(name)[-1] == 80
+
+
+def test_suspend_checkpoints_on_sigterm_and_resume_continues_from_that_step(jobs):
+    name = "e2e-suspend"
+    jobs.create(job(name, steps=120))
+    jobs.wait(name, lambda s: (s.get("progress") or {}).get("step", 0) >= 12, what="training")
+    jobs.patch(name, {"runPolicy": {"suspend": True}})
+    jobs.wait(name, lambda s: s.get("phase") == "Suspended", what="Suspended")
+    wait_for(lambda: not jobs.runs(name), timeout=90, what="pod processes gone")
+    logs = jobs.logs(name)
+    preempted = [json.loads(line[8:]) for line in logs.splitlines() if '"event": "preempted"' in line]
+    assert preempted, logs[-3000:]
+    stop_step = preempted[0]["step"]
+    assert stop_step in jobs.checkpoints(name)
+
+    jobs.patch(name, {"runPolicy": {"suspend": False}})
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0
+    resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
+    assert resumed[-1]["step"] == stop_step
+
+
+def test_permanent_failure_ends_the_job_with_the_reason(jobs):
+    name = "e2e-permanent"
+    body = job(name)
+    body["spec"]["trainer"]["data"] = {"source": "tokens", "path": "/no/such/tokens.bin"}
+    body["spec"]["failurePolicy"]["permanentExitCodes"] = [1, 2]
+    jobs.create(body)
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Failed" and status["restarts"] == 0
+    assert status["lastFailure"]["exitCode"] == 1 and "permanent" in status["message"]
+    assert "No such file or directory: '/no/such/tokens.bin'" in jobs.logs(name)
+
+
+def test_deleting_the_job_stops_every_process(jobs, stack):
+    name = "e2e-delete"
+    jobs.create(job(name, steps=500))
+    jobs.wait(name, lambda s: (s.get("progress") or {}).get("step", 0) >= 2, what="training")
+    runs = jobs.runs(name)
+    assert len(runs) == 2
+    jobs.delete(name)
+    wait_for(lambda: all(r.proc.poll() is not None for r in runs) and not jobs.runs(name), timeout=90, what="stopped")
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not any(r.netns in namespaces for r in runs)
+    for r in runs:  # nothing of the pod's process group survives, torchrun's workers included
+        with pytest.raises(ProcessLookupError):
+            os.killpg(r.proc.pid, 0)

@@ -31,7 +31,7 @@ crds: setup
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
 
 test: setup binaries lint
-	@echo "[test] unit, trainer (real torchrun), integration (real control plane) and e2e tiers"
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (real processes): ~5 min"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
 
 test-unit: setup
@@ -44,7 +44,7 @@ cluster-down: setup
 	@$(PY) hack/localcluster.py down --dir .cluster
 
 demo: setup binaries
-	@$(PY) hack/demo.py
+	@PYTHONPATH=hack $(PY) hack/demo.py $(ARGS)
 
 clean: cluster-down
 	rm -rf .venv .pytest_cache .ruff_cache

@@ -20,11 +20,17 @@ setup: $(VENV_STAMP)
 binaries:
 	@bash hack/build-binaries.sh >/dev/null
 
-lint: setup
+lint: setup binaries
 	@echo "[lint] ruff"
 	@$(PY) -m ruff check .
 	@echo "[lint] import-linter (layering from docs/design: config -> models -> builders/status -> k8s -> handlers)"
 	@.venv/bin/lint-imports --no-cache
+	@echo "[lint] shellcheck, hadolint, actionlint, helm lint"
+	@.venv/bin/shellcheck -x --source-path=SCRIPTDIR hack/*.sh .ci/run
+	@.venv/bin/hadolint operator/Dockerfile trainer/Dockerfile
+	@BIN="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)"; \
+	  "$$BIN/actionlint" -shellcheck .venv/bin/shellcheck .github/workflows/*.yaml && \
+	  "$$BIN/helm" lint --quiet charts/sharded-training-operator
 
 crds: setup
 	@$(PY) -m sharded_operator.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl, kwok, helm) from Go modules into a cache under $HOME, keyed on hack/versions.env.
-# Prints the cache's bin directory on the last line of stdout. Progress goes to stderr.
+# kubectl, kwok, helm) and actionlint from Go modules into a cache under $HOME. Each binary is cached
+# under its own name and version (hack/versions.env), so bumping one tool rebuilds only that tool.
+# Prints a directory of links to the binaries on the last line of stdout; progress goes to stderr.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -10,92 +11,89 @@ source "$here/versions.env"
 
 log() { echo "[control-plane] $*" >&2; }
 
-if ! command -v go >/dev/null 2>&1; then
-  echo "error: the Go toolchain (go >= 1.26) is needed to build the local control plane;" \
-       "install it (https://go.dev/doc/install) and put 'go' on PATH" >&2
-  exit 2
+cache_root="${SHARDED_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sharded-training}"
+store="$cache_root/binaries"        # <name>@<version>, immutable once built
+work="$cache_root/go-wrappers"      # one wrapper Go module per tool and version
+bin_dir="$cache_root/bin-$(sha256sum "$here/versions.env" | cut -c1-12)"
+mkdir -p "$store" "$work" "$bin_dir"
+
+declare -A version=(
+  [kube-apiserver]=$KUBERNETES_VERSION [kube-controller-manager]=$KUBERNETES_VERSION
+  [kube-scheduler]=$KUBERNETES_VERSION [kubectl]=$KUBERNETES_VERSION [etcd]=$ETCD_VERSION
+  [kwok]=$KWOK_VERSION [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION
+)
+order=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm actionlint)
+
+missing=0
+for b in "${order[@]}"; do
+  [ -x "$store/$b@${version[$b]}" ] || missing=$((missing + 1))
+done
+if [ "$missing" -gt 0 ]; then
+  if ! command -v go >/dev/null 2>&1; then
+    echo "error: the Go toolchain (go >= 1.26) is needed to build the local control plane;" \
+         "install it (https://go.dev/doc/install) and put 'go' on PATH" >&2
+    exit 2
+  fi
+  log "building $missing binaries from source into $store (first run only): expect 10-40 minutes on 2 cores"
 fi
 
-key="$(sha256sum "$here/versions.env" | cut -c1-12)"
-cache_root="${SHARDED_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sharded-training}"
-bin_dir="$cache_root/control-plane-$key/bin"
-work="$cache_root/control-plane-$key/src"
-mkdir -p "$bin_dir" "$work"
-
-k8s_minor="${KUBERNETES_VERSION#v1.}"
-k8s_minor="${k8s_minor%%.*}"
-staging_version="v0.${KUBERNETES_VERSION#v1.}"
 export GOFLAGS="-mod=mod -buildvcs=false"
 export CGO_ENABLED=0
 
 # A wrapper module per tool: `go install pkg@version` refuses modules whose go.mod has replace
 # directives, and k8s.io/kubernetes points every staging module at ./staging.
-wrapper() {  # wrapper NAME MODULE VERSION -> prints the wrapper's directory
-  local dir="$work/$1"
-  mkdir -p "$dir"
+wrapper() {  # wrapper MODULE VERSION -> prints the wrapper's directory
+  local dir="$work/${1//\//_}@$2"
   if [ ! -f "$dir/.ready" ]; then
-    (cd "$dir" && rm -f go.mod && go mod init "local.build/$1" >/dev/null 2>&1)
-    if [ "$2" = "k8s.io/kubernetes" ]; then
-      local gomod
-      gomod="$(cd "$dir" && go mod download -json "k8s.io/kubernetes@$3" \
+    rm -rf "$dir" && mkdir -p "$dir"
+    (cd "$dir" && go mod init local.build/wrapper >/dev/null 2>&1)
+    if [ "$1" = "k8s.io/kubernetes" ]; then
+      local gomod staging="v0.${2#v1.}"
+      gomod="$(cd "$dir" && go mod download -json "k8s.io/kubernetes@$2" \
         | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
       # Every `k8s.io/X => ./staging/src/k8s.io/X` becomes the published k8s.io/X v0.<minor>.<patch>.
       grep -oE '^[[:space:]]*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' \
         | while read -r m; do
-            (cd "$dir" && go mod edit -replace "$m=$m@$staging_version")
+            (cd "$dir" && go mod edit -replace "$m=$m@$staging")
           done
     fi
-    (cd "$dir" && go mod edit -require "$2@$3")
+    (cd "$dir" && go mod edit -require "$1@$2")
     touch "$dir/.ready"
   fi
   echo "$dir"
 }
 
-build() {  # build STEP NAME WRAPPER PACKAGE [LDFLAGS]
-  local step="$1" name="$2" dir="$3" pkg="$4" ldflags="${5:-}"
-  if [ -x "$bin_dir/$name" ]; then
-    log "[$step] $name: cached"
-    return
+step=0
+build() {  # build NAME MODULE PACKAGE [LDFLAGS]
+  local name="$1" module="$2" pkg="$3" ldflags="${4:-}" ver="${version[$1]}"
+  step=$((step + 1))
+  local out="$store/$name@$ver"
+  if [ ! -x "$out" ]; then
+    log "[$step/${#order[@]}] $name $ver: building $pkg (several minutes on 2 cores)"
+    local start=$SECONDS dir
+    dir="$(wrapper "$module" "$ver")"
+    (cd "$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out.tmp" "$pkg")
+    mv "$out.tmp" "$out"
+    log "[$step/${#order[@]}] $name: built in $((SECONDS - start))s"
   fi
-  log "[$step] $name: building $pkg (first build only; several minutes on 2 cores)"
-  local start=$SECONDS
-  (cd "$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$bin_dir/$name.tmp" "$pkg")
-  mv "$bin_dir/$name.tmp" "$bin_dir/$name"
-  log "[$step] $name: built in $((SECONDS - start))s"
+  ln -sf "$out" "$bin_dir/$name"
 }
 
-missing=0
-for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm; do
-  [ -x "$bin_dir/$b" ] || missing=$((missing + 1))
-done
-if [ "$missing" -eq 0 ]; then
-  echo "$bin_dir"
-  exit 0
-fi
-log "cache: $bin_dir"
-log "building $missing binaries from source (first run only): expect 10-40 minutes on 2 cores"
-
-k8s="$(wrapper kubernetes k8s.io/kubernetes "$KUBERNETES_VERSION")"
+k8s_minor="${KUBERNETES_VERSION#v1.}"
+k8s_minor="${k8s_minor%%.*}"
 ver=""
 for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ver+=" -X $p.gitVersion=$KUBERNETES_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$k8s_minor"
   ver+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
 done
-build 1/7 kube-apiserver "$k8s" k8s.io/kubernetes/cmd/kube-apiserver "$ver"
-build 2/7 kube-controller-manager "$k8s" k8s.io/kubernetes/cmd/kube-controller-manager "$ver"
-build 3/7 kube-scheduler "$k8s" k8s.io/kubernetes/cmd/kube-scheduler "$ver"
-build 4/7 kubectl "$k8s" k8s.io/kubernetes/cmd/kubectl "$ver"
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  build "$b" k8s.io/kubernetes "k8s.io/kubernetes/cmd/$b" "$ver"
+done
+build etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3
+build kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+build helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+build actionlint github.com/rhysd/actionlint github.com/rhysd/actionlint/cmd/actionlint \
+  "-X github.com/rhysd/actionlint.version=$ACTIONLINT_VERSION"
 
-etcd="$(wrapper etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION")"
-build 5/7 etcd "$etcd" go.etcd.io/etcd/server/v3
-
-kwok="$(wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION")"
-build 6/7 kwok "$kwok" sigs.k8s.io/kwok/cmd/kwok \
-  "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
-
-helm="$(wrapper helm helm.sh/helm/v3 "$HELM_VERSION")"
-build 7/7 helm "$helm" helm.sh/helm/v3/cmd/helm \
-  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-
-log "all binaries ready"
+[ "$missing" -eq 0 ] || log "all binaries ready"
 echo "$bin_dir"

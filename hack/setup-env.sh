@@ -56,7 +56,7 @@ if [ ! -f .venv/.deps ] || [ "$(cat .venv/.deps)" != "$deps_venv" ]; then
   echo "import site; site.addsitedir('$site')" > "$local_site/_sharded_deps.pth"
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   # Console scripts of the dependencies, run by this checkout's interpreter so the project is importable.
-  for tool in ruff lint-imports torchrun kopf pytest deepspeed; do
+  for tool in ruff lint-imports torchrun kopf pytest deepspeed shellcheck hadolint; do
     if [ -e "$deps_venv/bin/$tool" ] && ! head -c2 "$deps_venv/bin/$tool" | grep -q '#!'; then
       ln -sf "$deps_venv/bin/$tool" ".venv/bin/$tool"  # a native binary (ruff)
     elif [ -e "$deps_venv/bin/$tool" ]; then

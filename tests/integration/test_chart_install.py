@@ -1,0 +1,105 @@
+"""`helm install` into the real control plane, and proof that the chart's RBAC is enough and not more:
+the operator runs with the chart's ServiceAccount token and reconciles a job, and cannot read Secrets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import localcluster
+from conftest import wait_for
+from jobs import make_job
+from localstack import OperatorProcess
+from sharded_operator.models import GROUP, PLURAL, VERSION
+
+pytestmark = pytest.mark.integration
+CHART = Path(__file__).resolve().parents[2] / "charts" / "sharded-training-operator"
+RELEASE, NS, JOBS_NS = "sto", "sharded-system", "team-a"
+SA = f"{RELEASE}-sharded-training-operator"
+
+
+@pytest.fixture(scope="module")
+def chart_cluster():
+    """A cluster of its own: the operator here must be the only one reconciling jobs."""
+    with localcluster.running_cluster(gpu_nodes=2) as c:
+        yield c
+
+
+def helm(cluster, *args: str) -> str:
+    return subprocess.run(
+        [str(cluster.bin_dir / "helm"), "--kubeconfig", str(cluster.kubeconfig), *args],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def release(chart_cluster):
+    chart_cluster.api("POST", "/api/v1/namespaces", {"metadata": {"name": JOBS_NS}})
+    helm(chart_cluster, "install", RELEASE, str(CHART), "-n", NS, "--create-namespace",
+         "--set", f"watchNamespaces={{{JOBS_NS}}}", "--wait", "--timeout", "120s")  # fmt: skip
+    return chart_cluster
+
+
+def sa_token(cluster) -> str:
+    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
+    return cluster.api("POST", f"/api/v1/namespaces/{NS}/serviceaccounts/{SA}/token", req)["status"]["token"]
+
+
+def token_kubeconfig(cluster, token: str, path: Path) -> Path:
+    kc = json.loads(cluster.kubeconfig.read_text())
+    kc["users"] = [{"name": "admin", "user": {"token": token}}]
+    path.write_text(json.dumps(kc))
+    return path
+
+
+def test_install_creates_a_running_operator_deployment_and_the_crd(release):
+    status = json.loads(helm(release, "status", RELEASE, "-n", NS, "-o", "json"))
+    assert status["info"]["status"] == "deployed"
+    dep = release.api("GET", f"/apis/apps/v1/namespaces/{NS}/deployments/{SA}")
+    assert dep["status"].get("availableReplicas") == 1  # a KWOK node runs its pod
+    crd = release.api("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{PLURAL}.{GROUP}")
+    assert crd["spec"]["names"]["shortNames"] == ["stj"]
+
+
+def test_operator_with_the_charts_identity_reconciles_a_job(release, tmp_path):
+    kubeconfig = token_kubeconfig(release, sa_token(release), tmp_path / "sa.kubeconfig")
+    op = OperatorProcess(kubeconfig, tmp_path / "op.log", NAMESPACES=JOBS_NS, RESTART_GRACE_SECONDS="0").start()
+    try:
+        body = make_job("rbac").nodes(2).gpus(2).obj()
+        body["metadata"] = {"name": "rbac"}
+        release.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}", body)
+
+        def running():
+            job = release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/rbac")
+            return (job.get("status") or {}).get("phase") == "Running"
+
+        wait_for(running, timeout=60, what="job Running under the chart's RBAC")
+        pods = release.api("GET", f"/api/v1/namespaces/{JOBS_NS}/pods")["items"]
+        assert len(pods) == 2
+        assert "Forbidden" not in op.log.read_text() and "403" not in op.log.read_text()
+    finally:
+        op.stop()
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda core: core.list_namespaced_secret(JOBS_NS),
+        lambda core: core.list_namespaced_secret(NS),
+        lambda core: core.list_secret_for_all_namespaces(),
+        lambda core: core.list_namespaced_pod("kube-system"),  # outside the watched namespace
+    ],
+    ids=["secrets-in-watched-namespace", "secrets-in-own-namespace", "secrets-everywhere", "pods-elsewhere"],
+)
+def test_the_same_identity_cannot_read_secrets_or_other_namespaces(release, tmp_path, read):
+    from kubernetes import client, config
+    from kubernetes.client.rest import ApiException
+
+    kubeconfig = token_kubeconfig(release, sa_token(release), tmp_path / "sa.kubeconfig")
+    core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
+    with pytest.raises(ApiException) as exc:
+        read(core)
+    assert exc.value.status == 403

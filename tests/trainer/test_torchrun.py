@@ -178,3 +178,16 @@ def test_cli_export_writes_a_safetensors_file(reference, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 0
+
+
+def test_async_fsdp_save_writes_the_same_checkpoint_as_a_synchronous_one(reference, tmp_path):
+    strategy, ref_tmp, _, _ = reference
+    if strategy != "fsdp":
+        pytest.skip("asynchronous saves are an FSDP feature")
+    config = write_config(tmp_path, **{"checkpoint.async": True})
+    run = run_job(tmp_path, config)
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    assert committed_steps(tmp_path / "ckpt") == [10, 20]  # step 10 written in the background
+    ref, got = weights_at(ref_tmp, config, 10), weights_at(tmp_path, config, 10)
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k

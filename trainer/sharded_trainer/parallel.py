@@ -122,6 +122,7 @@ class FsdpStrategy:
         self.optimizer = make_optimizer(self.model.parameters(), cfg, env.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.schedule, cfg.steps))
         self._ckpt_group = None
+        self._staging = None
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
         total = torch.zeros((), device=self.env.device)
@@ -158,7 +159,31 @@ class FsdpStrategy:
         # Background writes run collectives off the training stream: give them their own gloo group.
         if self._ckpt_group is None:
             self._ckpt_group = dist.new_group(backend="gloo")
-        return dcp.async_save(state, checkpoint_id=str(directory), process_group=self._ckpt_group)
+        extra = {}
+        if (stager := self._stager()) is not None:
+            extra["async_stager"] = stager
+        response = dcp.async_save(state, checkpoint_id=str(directory), process_group=self._ckpt_group, **extra)
+        if hasattr(response, "staging_completion"):
+            # Training may change the weights only once they are copied off the GPU; the copy into
+            # pinned memory takes well under a second, the write to disk then overlaps training.
+            response.staging_completion.result()
+            return response.upload_completion
+        return response
+
+    def _stager(self):
+        """Pinned-memory, non-blocking staging on GPUs (the default stages through pageable memory)."""
+        if self._staging is None and self.env.device.type == "cuda":
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:  # older torch: its default stager
+                return None
+            self._staging = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                    use_non_blocking_copy=True,
+                )
+            )  # fmt: skip
+        return self._staging
 
     def load(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp

@@ -166,7 +166,7 @@ def main() -> None:
     res = dict(
         impl="trainer", strategy="fsdp2" if a.strategy == "fsdp" else "zero2", compile=a.compile, world=env.world,
         seq=a.seq, batch=a.batch, params=nparams, step_s=round(med, 4), tok_s_gpu=round(tps),
-        mfu=round(fpt * tps / 989e12, 4), loss=round(loss, 3),
+        mfu=round(fpt * tps / 989e12, 4), loss=round(float(loss), 3),
         peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2), gpu=torch.cuda.get_device_name(),
     )  # fmt: skip

@@ -61,16 +61,10 @@ def init_distributed(requested_backend: str, timeout_s: float = 600) -> DistEnv:
     return DistEnv(rank=rank, local_rank=local_rank, world=world, backend=backend, device=device)
 
 
-def all_true(flag: bool, device: torch.device) -> bool:
-    """True on every rank only if `flag` is true on every rank (one tiny all-reduce)."""
-    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() == 0
-
-
-def any_true(flag: bool, device: torch.device) -> bool:
+def any_true(flag: bool, device: torch.device, group=None) -> bool:
+    """True on every rank if `flag` is true on any rank (one tiny all-reduce), so all ranks act together."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item() == 1
 
 

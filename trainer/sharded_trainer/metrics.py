@@ -38,7 +38,7 @@ class Meter:
     def add(self, tokens_this_rank: int) -> None:
         self.tokens += tokens_this_rank
 
-    def flush(self, step: int, loss: float, lr: float, grad_norm: float) -> dict:
+    def flush(self, step: int, loss: float, lr: float, grad_norm: float | None) -> dict:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
@@ -47,7 +47,7 @@ class Meter:
             "step": step,
             "loss": round(loss, 5),
             "lr": lr,
-            "grad_norm": round(grad_norm, 4),
+            "grad_norm": None if grad_norm is None else round(grad_norm, 4),
             "tokens_per_s_per_device": round(tps, 1),
             "tokens_per_s": round(tps * self.world, 1),
             "mfu": round(tps * self.flops_per_token / self.peak, 4) if self.peak else None,

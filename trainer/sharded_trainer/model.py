@@ -64,11 +64,12 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (batch, seq, heads, head_dim); rotate interleaved pairs.
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+    # x: (batch, seq, heads, head_dim); rotate interleaved pairs in the activations' dtype (the tables
+    # are exact in fp32; an fp32 round trip of q and k costs ~2% of an eager bf16 step).
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = cos[None, : x.shape[1], None, :].to(x.dtype)
+    sin = sin[None, : x.shape[1], None, :].to(x.dtype)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
 class Attention(nn.Module):

@@ -50,9 +50,11 @@ def make_optimizer(params, cfg: TrainerConfig, device: torch.device) -> torch.op
 
 
 def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> float:
-    """The loss every rank reports: the mean over ranks (gloo has no AVG reduction, so SUM / world)."""
+    """The mean over ranks of a local value (gloo has no AVG reduction, so SUM / world). Synchronizes:
+    call it when logging, not every step."""
     import torch.distributed as dist
 
+    value = value.detach().clone()
     dist.all_reduce(value)
     return value.item() / env.world
 
@@ -62,8 +64,9 @@ class Strategy(Protocol):
 
     model: nn.Module
 
-    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
-        """Forward/backward every micro-batch, step the optimizer; returns (mean loss, grad norm)."""
+    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward/backward every micro-batch, step the optimizer. Returns this rank's mean loss and the
+        global gradient norm (None when not computed) as device tensors: reading them synchronizes."""
 
     def current_lr(self) -> float: ...
 
@@ -124,20 +127,20 @@ class FsdpStrategy:
         self._ckpt_group = None
         self._staging = None
 
-    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)
         for inputs, targets in micro_batches:
             loss = cross_entropy(self.model(inputs.to(self.env.device)), targets.to(self.env.device))
             (loss / len(micro_batches)).backward()
             total += loss.detach()
-        max_norm = self.cfg.grad_clip_norm or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        norm = None
+        if self.cfg.grad_clip_norm > 0:  # the norm is a pass over every gradient plus an all-reduce
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return mean_over_ranks(total, self.env) / len(micro_batches), float(norm)
+        return total / len(micro_batches), norm
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -263,7 +266,7 @@ class Zero2Strategy:
         self.engine = apply_zero2(model, cfg=cfg, device=env.device)
         self.model = self.engine.module
 
-    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)
         for inputs, targets in micro_batches:
             loss = cross_entropy(self.engine(inputs.to(self.env.device)), targets.to(self.env.device))
@@ -271,7 +274,7 @@ class Zero2Strategy:
             self.engine.step()  # steps optimizer and scheduler only at the accumulation boundary
             total += loss.detach()
         norm = self.engine.get_global_grad_norm()
-        return mean_over_ranks(total, self.env) / len(micro_batches), float(norm if norm is not None else 0.0)
+        return total / len(micro_batches), None if norm is None else torch.as_tensor(norm)
 
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]

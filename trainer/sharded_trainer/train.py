@@ -6,6 +6,7 @@ import signal
 import threading
 
 import torch
+import torch.distributed as dist
 
 from sharded_trainer.checkpoint import CheckpointManager
 from sharded_trainer.config import TrainerConfig
@@ -13,7 +14,7 @@ from sharded_trainer.data import ShardedLoader, TokenSource
 from sharded_trainer.dist import DistEnv, any_true
 from sharded_trainer.metrics import Meter, ProgressFile, emit
 from sharded_trainer.model import Transformer, model_args
-from sharded_trainer.parallel import build_strategy
+from sharded_trainer.parallel import build_strategy, mean_over_ranks
 
 # Exit code after SIGTERM once the final checkpoint is committed: "stopped cleanly, resume me".
 EXIT_PREEMPTED = 75
@@ -63,17 +64,22 @@ def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
     meter = Meter(args, cfg.seq_len, env.device, env.world)
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.seq_len
 
+    # The stop vote travels over a CPU group so that it never waits for the GPU: steps stay queued.
+    stop_group = dist.new_group(backend="gloo")
+    last_loss = None
     while step < cfg.steps:
         loss, grad_norm = strategy.train_step([loader.next_batch() for _ in range(cfg.grad_accum_steps)])
         step += 1
         meter.add(tokens_per_step)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            rec = meter.flush(step, loss, strategy.current_lr(), grad_norm)
+            last_loss = mean_over_ranks(loss, env)  # the only per-log synchronization
+            norm = None if grad_norm is None else float(grad_norm)
+            rec = meter.flush(step, last_loss, strategy.current_lr(), norm)
             if env.is_main:
                 emit(rec)
             progress.update(step=step, loss=rec["loss"], tokensPerSecond=rec["tokens_per_s"], mfu=rec["mfu"])
-        preempted = any_true(stop.requested.is_set(), env.device)
-        state = {"data": loader.state_dict(), "loss": loss}
+        preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
+        state = {"data": loader.state_dict(), "loss": last_loss}
         if ckpt.save(step, strategy, state, force=preempted):
             progress.update(lastCheckpoint=ckpt.last_committed)  # an async save shows once committed
         if preempted:

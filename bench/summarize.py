@@ -34,8 +34,9 @@ def throughput_table(runs: dict[str, dict[str, dict]]) -> list[str]:
                 continue
             ref = arms.get("ref-" + label.removeprefix("trainer-"))
             ratio = f"{res['tok_s_gpu'] / ref['tok_s_gpu']:.3f}" if ref else "(no same-run reference)"
+            ref_tps = ref["tok_s_gpu"] if ref else "-"
             rows.append(
-                f"| {run} | {label.removeprefix('trainer-')} | {ref['tok_s_gpu'] if ref else '-'} | {res['tok_s_gpu']} | "
+                f"| {run} | {label.removeprefix('trainer-')} | {ref_tps} | {res['tok_s_gpu']} | "
                 f"{ratio} | {res['mfu']:.1%} | {res['peak_alloc_gib']} / {res['peak_reserved_gib']} |"
             )
     return rows
@@ -57,9 +58,12 @@ def memory_table(arms: dict[str, dict]) -> list[str]:
 
 
 def checkpoint_table(arms: dict[str, dict]) -> list[str]:
-    rows = ["| strategy | state GB | raw write GB/s | save s | save GB/s | save / raw | async stall s | async total s | load s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for label, r in arms.items():
+    rows = [
+        "| strategy | state GB | raw write GB/s | save s | save GB/s | save / raw | async stall s | async total s "
+        "| load s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in arms.values():
         if r["kind"] != "CKPT":
             continue
         rows.append(

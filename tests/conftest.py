@@ -10,10 +10,9 @@ import pytest
 import yaml
 
 import localcluster
-from localstack import OperatorProcess
+from localstack import CRD_FILE, OperatorProcess, install_crd
 
 ROOT = Path(__file__).resolve().parent.parent
-CRD_FILE = ROOT / "crds" / "training.sharded.dev_shardedtrainingjobs.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -45,27 +44,10 @@ def custom(api_client):
 
 
 @pytest.fixture(scope="session")
-def crd_installed(api_client) -> dict:
+def crd_installed(cluster) -> dict:
     """The generated CRD, applied and Established."""
-    from kubernetes import client
-    from kubernetes.client.rest import ApiException
-
-    ext = client.ApiextensionsV1Api(api_client)
-    body = yaml.safe_load(CRD_FILE.read_text())
-    try:
-        ext.create_custom_resource_definition(body)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-    wait_for(
-        lambda: any(
-            c.type == "Established" and c.status == "True"
-            for c in (ext.read_custom_resource_definition(body["metadata"]["name"]).status.conditions or [])
-        ),
-        timeout=30,
-        what="CRD Established",
-    )
-    return body
+    install_crd(cluster.kubeconfig)
+    return yaml.safe_load(CRD_FILE.read_text())
 
 
 _ns_counter = iter(range(10_000))

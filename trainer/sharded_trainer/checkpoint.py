@@ -118,14 +118,15 @@ class CheckpointManager:
         assert self.root is not None
         dist.barrier()  # every rank's shards are on disk before the marker says so
         directory = step_dir(self.root, step)
+        committed_at = _now()
         if self.env.is_main:
             _write_atomic(directory / "trainer.json", json.dumps(state, indent=2).encode())
             _fsync_dir(directory)
-            marker = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            marker = {"step": step, "time": committed_at}
             _write_atomic(directory / MARKER, json.dumps(marker).encode())
             _fsync_dir(directory)
             self._purge()
-        self.last_committed = {"step": step, "path": str(directory), "time": _now()}
+        self.last_committed = {"step": step, "path": str(directory), "time": committed_at}
         dist.barrier()
 
     def _purge(self) -> None:
@@ -158,7 +159,8 @@ class CheckpointManager:
         # RNG streams are per rank: restore them only when the world is the same shape.
         if state.get("world") == self.env.world and rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))
-        self.last_committed = {"step": steps[-1], "path": str(directory), "time": _now()}
+        committed_at = json.loads((directory / MARKER).read_text()).get("time")
+        self.last_committed = {"step": steps[-1], "path": str(directory), "time": committed_at}
         return state
 
 

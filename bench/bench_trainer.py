@@ -99,7 +99,8 @@ def bench_checkpoint(a, cfg, env, strategy, loader, rank0: bool) -> dict:
     gb = res["bytes_total"] / 1e9
     if not a.async_only:
         res["raw_s"] = timed(raw)
-        shutil.rmtree(root / "raw", ignore_errors=True) if rank0 else None
+        if rank0:
+            shutil.rmtree(root / "raw", ignore_errors=True)
         res["sync_save_s"] = timed(lambda: (mgr.save(1, strategy, state, force=True), dist.barrier()))
         res["saved_bytes"] = dir_bytes(root / "step-00000001") if rank0 else 0
         res.update(raw_GBps=gb / res["raw_s"], save_GBps=gb / res["sync_save_s"])

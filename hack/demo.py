@@ -19,8 +19,7 @@ import yaml
 import localcluster
 from localstack import ROOT, LocalStack
 from nodeagent import can_isolate
-
-GROUP, VERSION, PLURAL = "training.sharded.dev", "v1alpha1", "shardedtrainingjobs"
+from sharded_operator.models import GROUP, PLURAL, VERSION
 
 
 def say(msg: str) -> None:

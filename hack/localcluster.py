@@ -44,9 +44,9 @@ def binaries_dir() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def free_port() -> int:
+def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
-        s.bind((HOST, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -6,7 +6,6 @@ Used by `make demo` (hack/demo.py) and the e2e tests.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "crds" / "training.sharded.dev_shardedtrainingjobs.yaml"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class OperatorProcess:
     """`python -m sharded_operator` as a real process against a cluster."""
 
     def __init__(self, kubeconfig: Path, log: Path, host: str = "127.0.0.1", **settings: str):
-        port = free_port(host)
+        port = localcluster.free_port(host)
         self.url = f"http://{host}:{port}"
         self.log = log
         self.env = {

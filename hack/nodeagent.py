@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sharded_operator.builders import quantity_bytes
+
 BRIDGE = "shbr0"
 SUBNET = ipaddress.ip_network("10.203.0.0/16")
 GATEWAY = "10.203.0.1"
@@ -330,7 +332,7 @@ class NodeAgent:
             # The mount point must exist in the shared filesystem; the mount itself stays in the pod's namespace.
             Path(m.mount_path).mkdir(parents=True, exist_ok=True)
             if tmpfs:
-                lines.append(f"mount -t tmpfs -o size={int(_bytes(tmpfs))} tmpfs {target}")
+                lines.append(f"mount -t tmpfs -o size={int(quantity_bytes(tmpfs))} tmpfs {target}")
             else:
                 lines.append(f"mount --bind {shlex.quote(str(src))} {target}")
             if m.read_only:
@@ -421,14 +423,6 @@ class NodeAgent:
         except ApiException as e:
             if e.status != 404:
                 raise
-
-
-def _bytes(q: str) -> float:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-    for u, f in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if str(q).endswith(u):
-            return float(str(q)[: -len(u)]) * f
-    return float(q)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,9 +11,8 @@ import argparse
 import os
 import sys
 
+from sharded_trainer import exitcodes
 from sharded_trainer.config import ConfigError, load_config
-
-EXIT_INVALID_CONFIG = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +63,7 @@ def _main(argv: list[str]) -> int:
         cfg = load_config(args.config, None if export else args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_INVALID_CONFIG
+        return exitcodes.INVALID_CONFIG
     if export:
         from sharded_trainer.export import export_checkpoint
 

@@ -21,11 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sharded_trainer import exitcodes
 from sharded_trainer.config import ConfigError, load_config
-
-EXIT_INVALID_CONFIG = 2
-EXIT_RENDEZVOUS_UNREACHABLE = 3
-EXIT_PREEMPTED = 75
 
 
 def log(msg: str) -> None:
@@ -60,10 +57,10 @@ def wait_for_endpoint(host: str, port: int, *, connect: bool, timeout: float, in
 
 def exit_code(torchrun_rc: int, exit_dir: Path) -> int:
     codes = [int(p.read_text() or "1") for p in exit_dir.glob("rank-*")]
-    if EXIT_INVALID_CONFIG in codes:
-        return EXIT_INVALID_CONFIG
-    if codes and all(c == EXIT_PREEMPTED for c in codes):
-        return EXIT_PREEMPTED
+    if exitcodes.INVALID_CONFIG in codes:
+        return exitcodes.INVALID_CONFIG
+    if codes and all(c == exitcodes.PREEMPTED for c in codes):
+        return exitcodes.PREEMPTED
     return torchrun_rc
 
 
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         load_config(args.config)
     except ConfigError as e:
         log(f"error: {e}")
-        return EXIT_INVALID_CONFIG
+        return exitcodes.INVALID_CONFIG
 
     endpoint = os.environ.get("PET_RDZV_ENDPOINT", "")
     node_rank = int(os.environ.get("PET_NODE_RANK", "0"))
@@ -90,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         # Node 0 hosts the c10d store: it needs its own name to resolve (torchrun checks whether the
         # endpoint is local); the others also need the store to accept connections.
         if not wait_for_endpoint(host, int(port), connect=node_rank != 0, timeout=timeout):
-            return EXIT_RENDEZVOUS_UNREACHABLE
+            return exitcodes.RENDEZVOUS_UNREACHABLE
         log(f"rendezvous endpoint {endpoint} reachable; starting torchrun as node {node_rank}")
 
     target = command or ["-m", "sharded_trainer", "--config", args.config]

@@ -8,6 +8,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from sharded_trainer import exitcodes
 from sharded_trainer.checkpoint import CheckpointManager
 from sharded_trainer.config import TrainerConfig
 from sharded_trainer.data import ShardedLoader, TokenSource
@@ -16,8 +17,7 @@ from sharded_trainer.metrics import Meter, ProgressFile, emit
 from sharded_trainer.model import Transformer, model_args
 from sharded_trainer.parallel import build_strategy, mean_over_ranks
 
-# Exit code after SIGTERM once the final checkpoint is committed: "stopped cleanly, resume me".
-EXIT_PREEMPTED = 75
+EXIT_PREEMPTED = exitcodes.PREEMPTED
 
 
 class StopRequest:

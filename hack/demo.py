@@ -64,13 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             status = stack.cluster.api("GET", f"{path}/{name}").get("status", {})
             prog, ck = status.get("progress") or {}, status.get("lastCheckpoint") or {}
             line = (
-                f"{time.monotonic() - started:5.0f}s  phase={status.get('phase')}  ready={status.get('ready')}  "
+                f"phase={status.get('phase')}  ready={status.get('ready')}  "
                 f"step={prog.get('step', '-')}/{prog.get('totalSteps', '-')}  loss={prog.get('loss', '-')}  "
                 f"tokens/s={prog.get('tokensPerSecond', '-')}  checkpoint={ck.get('step', '-')}  "
                 f"restarts={status.get('restarts', 0)}"
             )
-            if line.split("  ", 1)[1] != (last or "").split("  ", 1)[-1]:
-                print(line, flush=True)
+            if line != last:  # print only what changed
+                print(f"{time.monotonic() - started:5.0f}s  {line}", flush=True)
                 last = line
             if status.get("phase") in ("Succeeded", "Failed"):
                 break

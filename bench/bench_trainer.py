@@ -42,11 +42,75 @@ def config(a) -> TrainerConfig:
             "precision": "bf16",
             "gradClipNorm": a.clip,  # the reference does not clip; 0 measures the same work
             "schedule": {"warmupSteps": 10},
-            "strategy": {"type": a.strategy, a.strategy: {"compile": a.compile}},
+            "strategy": {"type": a.strategy, a.strategy: strategy_options(a)},
             "backend": "nccl",
             "checkpoint": {"dir": a.ckpt, "keepLast": 10, "async": False},
         }
     )
+
+
+def strategy_options(a) -> dict:
+    options: dict = {"compile": a.compile}
+    if a.no_reshard:
+        options["reshardAfterForward"] = False
+    return options
+
+
+def attention_backends(name: str):
+    """A context that puts one SDPA backend first (it must cover compilation, which picks the kernel)."""
+    import contextlib
+
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
+    rest = [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+    return sdpa_kernel([first, *rest], set_priority=True)
+
+
+KERNEL_KINDS = (  # first match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL / cuDNN call them
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_")),
+    ("optimizer", ("adam",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "elementwise/other"
+
+
+def profile_steps(strategy, loader, steps: int, out: Path, label: str, rank0: bool) -> dict:
+    """Trace `steps` training steps with torch.profiler; return GPU time per kernel kind and step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            strategy.train_step([loader.next_batch()])
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    kinds: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0) or 0
+        if us > 0 and ev.device_type.name == "CUDA":
+            kinds[kernel_kind(ev.key)] = kinds.get(kernel_kind(ev.key), 0.0) + us / 1e3 / steps
+    compute = sum(v for k, v in kinds.items() if k != "communication")
+    res = {
+        "label": label, "step_ms": round(wall * 1e3, 1), "compute_busy": round(compute / (wall * 1e3), 3),
+        "kernel_ms_per_step": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+    }  # fmt: skip
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+        (out / f"profile-{label}.txt").write_text(json.dumps(res) + "\n\n" + table)
+    return res
 
 
 def dir_bytes(p: Path) -> int:
@@ -137,6 +201,10 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--ckpt", default=None, help="measure checkpoint cost under this directory instead")
     ap.add_argument("--async-only", action="store_true", help="with --ckpt: only the two asynchronous saves")
+    ap.add_argument("--no-reshard", action="store_true", help="FSDP: keep blocks gathered from forward to backward")
+    ap.add_argument("--sdpa", choices=["default", "cudnn", "flash"], default="default", help="attention backend first")
+    ap.add_argument("--profile", default=None, help="after timing, trace 3 steps and write a kernel table here")
+    ap.add_argument("--label", default="trainer", help="names the profile file")
     a = ap.parse_args()
 
     cfg = config(a)
@@ -160,24 +228,28 @@ def main() -> None:
 
     torch.cuda.reset_peak_memory_stats()
     times, loss = [], 0.0
-    for _ in range(a.steps):
-        batch = loader.next_batch()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss, _ = strategy.train_step([batch])
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    with attention_backends(a.sdpa):
+        for _ in range(a.steps):
+            batch = loader.next_batch()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss, _ = strategy.train_step([batch])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        prof = profile_steps(strategy, loader, 3, Path(a.profile), a.label, rank0) if a.profile else None
     med = statistics.median(times[max(5, a.steps // 3) :])
     tps = a.batch * a.seq / med
     res = dict(
         impl="trainer", strategy="fsdp2" if a.strategy == "fsdp" else "zero2", compile=a.compile, world=env.world,
         seq=a.seq, batch=a.batch, params=nparams, step_s=round(med, 4), tok_s_gpu=round(tps),
-        mfu=round(fpt * tps / 989e12, 4), loss=round(float(loss), 3),
+        mfu=round(fpt * tps / 989e12, 4), loss=round(float(loss), 3), sdpa=a.sdpa, reshard=not a.no_reshard,
         peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2), gpu=torch.cuda.get_device_name(),
     )  # fmt: skip
     if rank0:
         print("RESULT " + json.dumps(res), flush=True)
+        if prof:
+            print("PROFILE " + json.dumps(prof), flush=True)
     dist.destroy_process_group()
 
 

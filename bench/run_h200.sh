@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
 # One device call's worth of benchmarks on 2 GPUs: the project's trainer and the hand-written
 # reference, arm for arm, in the same run on the same GPUs. Results go to $OUT/<phase>.txt as
-# `ARM <label> RESULT {...}` / `CKPT {...}` lines; bench/summarize.py turns them into tables and a plot.
-#   bench/run_h200.sh throughput   # 2 GPUs: FSDP2 and ZeRO-2 at batch 4 eager and compiled, FSDP2 batch 8
-#   bench/run_h200.sh rest         # ZeRO-2 batch 8, 1-GPU scaling, memory at batch 1, checkpoint cost
+# `ARM <label> RESULT|CKPT|PROFILE {...}` lines; bench/summarize.py turns them into tables and a plot.
+#   bench/run_h200.sh explore      # best-setting candidates (profiled), steady async save, memory at batch 1
+#   bench/run_h200.sh fsdp         # FSDP2 pairs: batch 4 and 8, eager and compiled
+#   bench/run_h200.sh zero2        # ZeRO-2 pairs: batch 4 and 8, eager and compiled; 1-GPU scaling pair
+#   bench/run_h200.sh checkpoint   # checkpoint cost: raw write, sync, async, load (FSDP2); DeepSpeed (ZeRO-2)
+#   bench/run_h200.sh checkpoint fsdp   # several phases in one call, in that order
+# Arms run in the order listed; once BUDGET_S seconds (default 540) have passed the rest are skipped
+# and named in the output, so a call always returns inside the device tool's limit.
 # Needs: the reference scripts in $REF (default .ref/), PYTHONPATH with operator/ and trainer/.
 set -uo pipefail
-phase="${1:?throughput|rest}"
+[ $# -gt 0 ] || { echo "usage: $0 explore|fsdp|zero2|checkpoint..." >&2; exit 2; }
 steps="${STEPS:-20}"
 ref="${REF:-.ref}"
-out="${OUT:-/tmp/bench-out}/$phase.txt"
-mkdir -p "$(dirname "$out")"
+budget="${BUDGET_S:-540}"
+profiles="${OUT:-/tmp/bench-out}"
+mkdir -p "$profiles"
 
 arm() {  # arm LABEL NPROC SCRIPT ARGS...
-  local label="$1" nproc="$2"
+  local label="$1" nproc="$2" start=$SECONDS
   shift 2
+  if ((SECONDS >= budget)); then
+    echo "# SKIPPED $label (budget of ${budget}s spent)" | tee -a "$out"
+    return
+  fi
   echo "== $label" >&2
-  timeout 420 torchrun --standalone --nproc-per-node "$nproc" "$@" 2>&1 \
-    | tee -a "${out%.txt}.log" | grep -E '^(RESULT|CKPT) ' | sed "s/^/ARM $label /" | tee -a "$out"
+  timeout 240 torchrun --standalone --nproc-per-node "$nproc" "$@" 2>&1 \
+    | tee -a "${out%.txt}.log" | grep -E '^(RESULT|CKPT|PROFILE) ' | sed "s/^/ARM $label /" | tee -a "$out"
+  echo "# $label took $((SECONDS - start)) s" >>"$out"
 }
 
 pair() {  # pair LABEL NPROC STRATEGY BATCH [--compile]: the reference arm, then the trainer's
@@ -27,18 +38,45 @@ pair() {  # pair LABEL NPROC STRATEGY BATCH [--compile]: the reference arm, then
   arm "trainer-$1" "$2" bench/bench_trainer.py --strategy "$ours" --batch "$4" --steps "$steps" "${@:5}"
 }
 
-if [ "$phase" = throughput ]; then
-  pair fsdp2-b4 2 fsdp2 4
-  pair fsdp2-b4-compiled 2 fsdp2 4 --compile
-  pair fsdp2-b8-compiled 2 fsdp2 8 --compile
-  pair zero2-b4 2 zero2 4
-  pair zero2-b4-compiled 2 zero2 4 --compile
-else
-  pair zero2-b8-compiled 2 zero2 8 --compile
-  pair fsdp2-b4-compiled-1gpu 1 fsdp2 4 --compile
-  arm "trainer-fsdp2-b1-memory" 2 bench/bench_trainer.py --strategy fsdp --batch 1 --steps 12
-  arm "trainer-zero2-b1-memory" 2 bench/bench_trainer.py --strategy zero2 --batch 1 --steps 12
-  arm "trainer-fsdp2-ckpt" 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt
-  arm "trainer-zero2-ckpt" 2 bench/bench_trainer.py --strategy zero2 --ckpt /tmp/bench-ckpt
-fi
+trainer() {  # trainer LABEL ARGS...: a trainer arm with no reference counterpart
+  local label="$1"
+  shift
+  arm "trainer-$label" 2 bench/bench_trainer.py --steps "$steps" --label "$label" "$@"
+}
+
+for phase in "$@"; do
+out="$profiles/$phase.txt"
+case "$phase" in
+  explore)
+    trainer fsdp2-b8-compiled --strategy fsdp --batch 8 --compile --profile "$profiles"
+    trainer fsdp2-b8-compiled-cudnn --strategy fsdp --batch 8 --compile --sdpa cudnn
+    trainer fsdp2-b8-compiled-noreshard --strategy fsdp --batch 8 --compile --no-reshard
+    trainer fsdp2-b16-compiled-noreshard --strategy fsdp --batch 16 --compile --no-reshard --profile "$profiles"
+    arm trainer-fsdp2-async-steady 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt --async-only
+    trainer fsdp2-b1-memory --strategy fsdp --batch 1 --steps 12
+    trainer zero2-b1-memory --strategy zero2 --batch 1 --steps 12
+    ;;
+  fsdp)
+    pair fsdp2-b4 2 fsdp2 4
+    pair fsdp2-b4-compiled 2 fsdp2 4 --compile
+    pair fsdp2-b8-compiled 2 fsdp2 8 --compile
+    pair fsdp2-b8 2 fsdp2 8
+    ;;
+  zero2)
+    pair zero2-b4 2 zero2 4
+    pair zero2-b4-compiled 2 zero2 4 --compile
+    pair zero2-b8-compiled 2 zero2 8 --compile
+    pair zero2-b8 2 zero2 8
+    pair fsdp2-b4-compiled-1gpu 1 fsdp2 4 --compile
+    ;;
+  checkpoint)
+    arm trainer-fsdp2-ckpt 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt
+    arm trainer-zero2-ckpt 2 bench/bench_trainer.py --strategy zero2 --ckpt /tmp/bench-ckpt
+    ;;
+  *)
+    echo "unknown phase $phase" >&2
+    exit 2
+    ;;
+esac
 echo "done: $out" >&2
+done

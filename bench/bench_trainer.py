@@ -99,7 +99,9 @@ def profile_steps(strategy, loader, steps: int, out: Path, label: str, rank0: bo
     kinds: dict[str, float] = {}
     for ev in prof.key_averages():
         us = getattr(ev, "self_device_time_total", 0) or 0
-        if us > 0 and ev.device_type.name == "CUDA":
+        # GPU-side annotations (`nccl:all_gather...`) span the kernels they name: count kernels only.
+        annotation = getattr(ev, "is_user_annotation", False) or ev.key.startswith("nccl:")
+        if us > 0 and ev.device_type.name == "CUDA" and not annotation:
             kinds[kernel_kind(ev.key)] = kinds.get(kernel_kind(ev.key), 0.0) + us / 1e3 / steps
     compute = sum(v for k, v in kinds.items() if k != "communication")
     res = {

@@ -1,6 +1,6 @@
 """Turn bench/results/*.txt (ARM lines from bench/run_h200.sh) into markdown tables and a plot.
 
-    python bench/summarize.py bench/results/h200x2-throughput-run1.txt ... [--plot docs/benchmarks.png]
+    python bench/summarize.py bench/results/h200x2-*-run7.txt bench/results/h200x2-zero2-run8.txt [--plot docs/benchmarks.png]
 
 Ratios are computed only between arms of the same file (the same run on the same GPUs). The plot needs
 matplotlib, which the project itself does not depend on.
@@ -21,7 +21,8 @@ def parse(path: Path) -> dict[str, dict]:
     for line in path.read_text().splitlines():
         if line.startswith("ARM "):
             _, label, kind, payload = line.split(" ", 3)
-            arms[label] = {"kind": kind, **json.loads(payload)}
+            key = label if kind in ("RESULT", "CKPT") else f"{label}:{kind.lower()}"  # a PROFILE beside a RESULT
+            arms[key] = {"kind": kind, **json.loads(payload)}
     return arms
 
 
@@ -33,11 +34,29 @@ def throughput_table(runs: dict[str, dict[str, dict]]) -> list[str]:
             if not label.startswith("trainer-") or res["kind"] != "RESULT" or "memory" in label:
                 continue
             ref = arms.get("ref-" + label.removeprefix("trainer-"))
-            ratio = f"{res['tok_s_gpu'] / ref['tok_s_gpu']:.3f}" if ref else "(no same-run reference)"
-            ref_tps = ref["tok_s_gpu"] if ref else "-"
+            if ref is None:  # listed by trainer_only_table
+                continue
             rows.append(
-                f"| {run} | {label.removeprefix('trainer-')} | {ref_tps} | {res['tok_s_gpu']} | "
-                f"{ratio} | {res['mfu']:.1%} | {res['peak_alloc_gib']} / {res['peak_reserved_gib']} |"
+                f"| {run} | {label.removeprefix('trainer-')} | {ref['tok_s_gpu']} | {res['tok_s_gpu']} | "
+                f"{res['tok_s_gpu'] / ref['tok_s_gpu']:.3f} | {res['mfu']:.1%} | "
+                f"{res['peak_alloc_gib']} / {res['peak_reserved_gib']} |"
+            )
+    return rows
+
+
+def trainer_only_table(runs: dict[str, dict[str, dict]]) -> list[str]:
+    """Trainer settings with no reference counterpart (candidates for the best setting)."""
+    rows = ["| run | arm | trainer tok/s/GPU | trainer MFU | peak alloc / reserved GiB |",
+            "| --- | --- | ---: | ---: | --- |"]  # fmt: skip
+    for run, arms in runs.items():
+        for label, res in arms.items():
+            if not label.startswith("trainer-") or res["kind"] != "RESULT" or "memory" in label:
+                continue
+            if "ref-" + label.removeprefix("trainer-") in arms:
+                continue
+            rows.append(
+                f"| {run} | {label.removeprefix('trainer-')} | {res['tok_s_gpu']} | {res['mfu']:.1%} | "
+                f"{res['peak_alloc_gib']} / {res['peak_reserved_gib']} |"
             )
     return rows
 
@@ -59,9 +78,9 @@ def memory_table(arms: dict[str, dict]) -> list[str]:
 
 def checkpoint_table(arms: dict[str, dict]) -> list[str]:
     rows = [
-        "| strategy | state GB | raw write GB/s | save s | save GB/s | save / raw | async stall s | async total s "
-        "| load s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| strategy | state GB | raw write GB/s | save s | save GB/s | save / raw | first async stall s "
+        "| steady async stall s | steady async total s | load s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in arms.values():
         if r["kind"] != "CKPT":
@@ -69,7 +88,7 @@ def checkpoint_table(arms: dict[str, dict]) -> list[str]:
         rows.append(
             f"| {r['strategy']} | {r['bytes_total'] / 1e9:.1f} | {r['raw_GBps']:.2f} | {r['sync_save_s']:.1f} | "
             f"{r['save_GBps']:.2f} | {r['save_vs_raw']:.0%} | {r.get('async_stall_s', '-')} | "
-            f"{r.get('async_total_s', '-')} | {r['load_s']:.1f} |"
+            f"{r.get('async_steady_stall_s', '-')} | {r.get('async_steady_total_s', '-')} | {r['load_s']:.1f} |"
         )
     return rows
 
@@ -111,7 +130,8 @@ def main() -> int:
     a = ap.parse_args()
     runs = {f.stem.replace("h200x2-", ""): parse(f) for f in a.files}
     merged = {k: v for arms in runs.values() for k, v in arms.items()}
-    print("\n".join(throughput_table(runs)), "\n", "\n".join(memory_table(merged)), "\n", sep="\n")
+    print("\n".join(throughput_table(runs)), "\n".join(trainer_only_table(runs)), sep="\n\n")
+    print("", "\n".join(memory_table(merged)), "", sep="\n")
     print("\n".join(checkpoint_table(merged)))
     if a.plot:
         plot(runs, a.plot)

@@ -1,6 +1,6 @@
 """Turn bench/results/*.txt (ARM lines from bench/run_h200.sh) into markdown tables and a plot.
 
-    python bench/summarize.py bench/results/h200x2-*-run7.txt bench/results/h200x2-zero2-run8.txt [--plot docs/benchmarks.png]
+    python bench/summarize.py bench/results/h200x2-*.txt [--plot docs/benchmarks.png]
 
 Ratios are computed only between arms of the same file (the same run on the same GPUs). The plot needs
 matplotlib, which the project itself does not depend on.
@@ -26,18 +26,22 @@ def parse(path: Path) -> dict[str, dict]:
     return arms
 
 
+def trainer_arms(runs: dict[str, dict[str, dict]]):
+    """(run, arm name, trainer result, same-run reference result or None) for each throughput arm."""
+    for run, arms in runs.items():
+        for label, res in arms.items():
+            if label.startswith("trainer-") and res["kind"] == "RESULT" and "memory" not in label:
+                name = label.removeprefix("trainer-")
+                yield run, name, res, arms.get("ref-" + name)
+
+
 def throughput_table(runs: dict[str, dict[str, dict]]) -> list[str]:
     rows = ["| run | arm | reference tok/s/GPU | trainer tok/s/GPU | ratio | trainer MFU | peak alloc / reserved GiB |",
             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
-    for run, arms in runs.items():
-        for label, res in arms.items():
-            if not label.startswith("trainer-") or res["kind"] != "RESULT" or "memory" in label:
-                continue
-            ref = arms.get("ref-" + label.removeprefix("trainer-"))
-            if ref is None:  # listed by trainer_only_table
-                continue
+    for run, name, res, ref in trainer_arms(runs):
+        if ref is not None:  # the others are in trainer_only_table
             rows.append(
-                f"| {run} | {label.removeprefix('trainer-')} | {ref['tok_s_gpu']} | {res['tok_s_gpu']} | "
+                f"| {run} | {name} | {ref['tok_s_gpu']} | {res['tok_s_gpu']} | "
                 f"{res['tok_s_gpu'] / ref['tok_s_gpu']:.3f} | {res['mfu']:.1%} | "
                 f"{res['peak_alloc_gib']} / {res['peak_reserved_gib']} |"
             )
@@ -48,14 +52,10 @@ def trainer_only_table(runs: dict[str, dict[str, dict]]) -> list[str]:
     """Trainer settings with no reference counterpart (candidates for the best setting)."""
     rows = ["| run | arm | trainer tok/s/GPU | trainer MFU | peak alloc / reserved GiB |",
             "| --- | --- | ---: | ---: | --- |"]  # fmt: skip
-    for run, arms in runs.items():
-        for label, res in arms.items():
-            if not label.startswith("trainer-") or res["kind"] != "RESULT" or "memory" in label:
-                continue
-            if "ref-" + label.removeprefix("trainer-") in arms:
-                continue
+    for run, name, res, ref in trainer_arms(runs):
+        if ref is None:
             rows.append(
-                f"| {run} | {label.removeprefix('trainer-')} | {res['tok_s_gpu']} | {res['mfu']:.1%} | "
+                f"| {run} | {name} | {res['tok_s_gpu']} | {res['mfu']:.1%} | "
                 f"{res['peak_alloc_gib']} / {res['peak_reserved_gib']} |"
             )
     return rows
@@ -100,15 +100,13 @@ def plot(runs: dict[str, dict[str, dict]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels, ref_tps, our_tps, ref_mfu, our_mfu = [], [], [], [], []
-    for run, arms in runs.items():
-        for label, res in arms.items():
-            ref = arms.get("ref-" + label.removeprefix("trainer-"))
-            if label.startswith("trainer-") and res["kind"] == "RESULT" and ref:
-                labels.append(f"{label.removeprefix('trainer-')}\n({run})")
-                ref_tps.append(ref["tok_s_gpu"])
-                our_tps.append(res["tok_s_gpu"])
-                ref_mfu.append(ref["mfu"] * 100)
-                our_mfu.append(res["mfu"] * 100)
+    for run, name, res, ref in trainer_arms(runs):
+        if ref is not None:
+            labels.append(f"{name}\n({run})")
+            ref_tps.append(ref["tok_s_gpu"])
+            our_tps.append(res["tok_s_gpu"])
+            ref_mfu.append(ref["mfu"] * 100)
+            our_mfu.append(res["mfu"] * 100)
     fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     x = range(len(labels))
     for ax, ref, ours, title in ((axes[0], ref_tps, our_tps, "tokens/s per GPU"), (axes[1], ref_mfu, our_mfu, "MFU %")):

@@ -69,52 +69,6 @@ def attention_backends(name: str):
     return sdpa_kernel([first, *rest], set_priority=True)
 
 
-KERNEL_KINDS = (  # first match wins; names as CUDA kernels of torch 2.11 / cuBLAS / NCCL / cuDNN call them
-    ("communication", ("nccl",)),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_")),
-    ("optimizer", ("adam",)),
-)
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    for kind, needles in KERNEL_KINDS:
-        if any(n in low for n in needles):
-            return kind
-    return "elementwise/other"
-
-
-def profile_steps(strategy, loader, steps: int, out: Path, label: str, rank0: bool) -> dict:
-    """Trace `steps` training steps with torch.profiler; return GPU time per kernel kind and step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            strategy.train_step([loader.next_batch()])
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / steps
-    kinds: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", 0) or 0
-        # GPU-side annotations (`nccl:all_gather...`) span the kernels they name: count kernels only.
-        annotation = getattr(ev, "is_user_annotation", False) or ev.key.startswith("nccl:")
-        if us > 0 and ev.device_type.name == "CUDA" and not annotation:
-            kinds[kernel_kind(ev.key)] = kinds.get(kernel_kind(ev.key), 0.0) + us / 1e3 / steps
-    compute = sum(v for k, v in kinds.items() if k != "communication")
-    res = {
-        "label": label, "step_ms": round(wall * 1e3, 1), "compute_busy": round(compute / (wall * 1e3), 3),
-        "kernel_ms_per_step": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-    }  # fmt: skip
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
-        (out / f"profile-{label}.txt").write_text(json.dumps(res) + "\n\n" + table)
-    return res
-
-
 def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
@@ -205,8 +159,6 @@ def main() -> None:
     ap.add_argument("--async-only", action="store_true", help="with --ckpt: only the two asynchronous saves")
     ap.add_argument("--no-reshard", action="store_true", help="FSDP: keep blocks gathered from forward to backward")
     ap.add_argument("--sdpa", choices=["default", "cudnn", "flash"], default="default", help="attention backend first")
-    ap.add_argument("--profile", default=None, help="after timing, trace 3 steps and write a kernel table here")
-    ap.add_argument("--label", default="trainer", help="names the profile file")
     a = ap.parse_args()
 
     cfg = config(a)
@@ -238,7 +190,6 @@ def main() -> None:
             loss, _ = strategy.train_step([batch])
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        prof = profile_steps(strategy, loader, 3, Path(a.profile), a.label, rank0) if a.profile else None
     med = statistics.median(times[max(5, a.steps // 3) :])
     tps = a.batch * a.seq / med
     res = dict(
@@ -250,8 +201,6 @@ def main() -> None:
     )  # fmt: skip
     if rank0:
         print("RESULT " + json.dumps(res), flush=True)
-        if prof:
-            print("PROFILE " + json.dumps(prof), flush=True)
     dist.destroy_process_group()
 
 

@@ -6,12 +6,14 @@
 #   bench/run_h200.sh fsdp         # FSDP2 pairs: batch 4 and 8, eager and compiled
 #   bench/run_h200.sh zero2        # ZeRO-2 pairs: batch 4 and 8, eager and compiled; 1-GPU scaling pair
 #   bench/run_h200.sh checkpoint   # checkpoint cost: raw write, sync, async, load (FSDP2); DeepSpeed (ZeRO-2)
+#   bench/run_h200.sh eager        # eager pairs launched REPEAT times (default 2) each, then both sides profiled
 #   bench/run_h200.sh checkpoint fsdp   # several phases in one call, in that order
+# REPEAT=N launches each pair N times, reference and trainer alternating; summarize.py takes medians.
 # Arms run in the order listed; once BUDGET_S seconds (default 540) have passed the rest are skipped
 # and named in the output, so a call always returns inside the device tool's limit.
 # Needs: the reference scripts in $REF (default .ref/), PYTHONPATH with operator/ and trainer/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: $0 explore|fsdp|zero2|checkpoint..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 explore|fsdp|zero2|eager|checkpoint..." >&2; exit 2; }
 steps="${STEPS:-20}"
 ref="${REF:-.ref}"
 budget="${BUDGET_S:-540}"
@@ -31,27 +33,37 @@ arm() {  # arm LABEL NPROC SCRIPT ARGS...
   echo "# $label took $((SECONDS - start)) s" >>"$out"
 }
 
-pair() {  # pair LABEL NPROC STRATEGY BATCH [--compile]: the reference arm, then the trainer's
-  local ours="$3"
+pair() {  # pair LABEL NPROC STRATEGY BATCH [--compile]: the reference arm, then the trainer's, REPEAT times
+  local ours="$3" i
   [ "$3" = fsdp2 ] && ours=fsdp
-  arm "ref-$1" "$2" "$ref/reference_fsdp_zero2.py" --strategy "$3" --batch "$4" --steps "$steps" "${@:5}"
-  arm "trainer-$1" "$2" bench/bench_trainer.py --strategy "$ours" --batch "$4" --steps "$steps" "${@:5}"
+  for ((i = 0; i < ${REPEAT:-1}; i++)); do
+    arm "ref-$1" "$2" "$ref/reference_fsdp_zero2.py" --strategy "$3" --batch "$4" --steps "$steps" "${@:5}"
+    arm "trainer-$1" "$2" bench/bench_trainer.py --strategy "$ours" --batch "$4" --steps "$steps" "${@:5}"
+  done
+}
+
+profiled() {  # profiled LABEL NPROC SCRIPT ARGS...: one more launch under bench/profile_run.py
+  local label="$1" nproc="$2"
+  shift 2
+  arm "profile-$label" "$nproc" bench/profile_run.py --out "$profiles" --label "$label" "$@"
 }
 
 trainer() {  # trainer LABEL ARGS...: a trainer arm with no reference counterpart
   local label="$1"
   shift
-  arm "trainer-$label" 2 bench/bench_trainer.py --steps "$steps" --label "$label" "$@"
+  arm "trainer-$label" 2 bench/bench_trainer.py --steps "$steps" "$@"
 }
 
 for phase in "$@"; do
 out="$profiles/$phase.txt"
 case "$phase" in
   explore)
-    trainer fsdp2-b8-compiled --strategy fsdp --batch 8 --compile --profile "$profiles"
+    trainer fsdp2-b8-compiled --strategy fsdp --batch 8 --compile
     trainer fsdp2-b8-compiled-cudnn --strategy fsdp --batch 8 --compile --sdpa cudnn
     trainer fsdp2-b8-compiled-noreshard --strategy fsdp --batch 8 --compile --no-reshard
-    trainer fsdp2-b16-compiled-noreshard --strategy fsdp --batch 16 --compile --no-reshard --profile "$profiles"
+    trainer fsdp2-b16-compiled-noreshard --strategy fsdp --batch 16 --compile --no-reshard
+    profiled trainer-fsdp2-b16-compiled-noreshard 2 bench/bench_trainer.py --steps "$steps" \
+      --strategy fsdp --batch 16 --compile --no-reshard
     arm trainer-fsdp2-async-steady 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt --async-only
     trainer fsdp2-b1-memory --strategy fsdp --batch 1 --steps 12
     trainer zero2-b1-memory --strategy zero2 --batch 1 --steps 12
@@ -68,6 +80,12 @@ case "$phase" in
     pair zero2-b8-compiled 2 zero2 8 --compile
     pair zero2-b8 2 zero2 8
     pair fsdp2-b4-compiled-1gpu 1 fsdp2 4 --compile
+    ;;
+  eager)
+    REPEAT="${REPEAT:-2}" pair fsdp2-b4 2 fsdp2 4
+    REPEAT="${REPEAT:-2}" pair zero2-b4 2 zero2 4
+    profiled ref-fsdp2-b4 2 "$ref/reference_fsdp_zero2.py" --strategy fsdp2 --batch 4 --steps "$steps"
+    profiled trainer-fsdp2-b4 2 bench/bench_trainer.py --strategy fsdp --batch 4 --steps "$steps"
     ;;
   checkpoint)
     arm trainer-fsdp2-ckpt 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt

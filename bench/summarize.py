@@ -2,7 +2,8 @@
 
     python bench/summarize.py bench/results/h200x2-*.txt [--plot docs/benchmarks.png]
 
-Ratios are computed only between arms of the same file (the same run on the same GPUs). The plot needs
+Ratios are computed only between arms of the same file (the same run on the same GPUs); an arm run
+several times (REPEAT=N in bench/run_h200.sh) is its median, with the range the ratio can take. The plot needs
 matplotlib, which the project itself does not depend on.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 PSI = 1_235_814_400  # parameters of the llama-1b shape
@@ -17,12 +19,22 @@ GIB = 2**30
 
 
 def parse(path: Path) -> dict[str, dict]:
-    arms = {}
+    """Arms of one run by label. An arm launched several times (REPEAT) reports the median tokens/s
+    and MFU of its launches, with `n` and the tokens/s range."""
+    samples: dict[str, list[dict]] = {}
     for line in path.read_text().splitlines():
         if line.startswith("ARM "):
             _, label, kind, payload = line.split(" ", 3)
             key = label if kind in ("RESULT", "CKPT") else f"{label}:{kind.lower()}"  # a PROFILE beside a RESULT
-            arms[key] = {"kind": kind, **json.loads(payload)}
+            samples.setdefault(key, []).append({"kind": kind, **json.loads(payload)})
+    arms = {}
+    for key, runs in samples.items():
+        arm = {**runs[-1], "n": len(runs)}
+        if arm["kind"] == "RESULT":
+            tps = [r["tok_s_gpu"] for r in runs]
+            arm.update(tok_s_gpu=round(statistics.median(tps)), mfu=statistics.median(r["mfu"] for r in runs))
+            arm["tok_s_range"] = (min(tps), max(tps))
+        arms[key] = arm
     return arms
 
 
@@ -35,6 +47,14 @@ def trainer_arms(runs: dict[str, dict[str, dict]]):
                 yield run, name, res, arms.get("ref-" + name)
 
 
+def spread(res: dict, ref: dict) -> str:
+    """For repeated arms: how far the ratio can move within the launches' tokens/s ranges."""
+    if res["n"] == 1 and ref["n"] == 1:
+        return ""
+    (lo, hi), (rlo, rhi) = res["tok_s_range"], ref["tok_s_range"]
+    return f" ({lo / rhi:.3f}-{hi / rlo:.3f}, n={res['n']})"
+
+
 def throughput_table(runs: dict[str, dict[str, dict]]) -> list[str]:
     rows = ["| run | arm | reference tok/s/GPU | trainer tok/s/GPU | ratio | trainer MFU | peak alloc / reserved GiB |",
             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
@@ -42,7 +62,7 @@ def throughput_table(runs: dict[str, dict[str, dict]]) -> list[str]:
         if ref is not None:  # the others are in trainer_only_table
             rows.append(
                 f"| {run} | {name} | {ref['tok_s_gpu']} | {res['tok_s_gpu']} | "
-                f"{res['tok_s_gpu'] / ref['tok_s_gpu']:.3f} | {res['mfu']:.1%} | "
+                f"{res['tok_s_gpu'] / ref['tok_s_gpu']:.3f}{spread(res, ref)} | {res['mfu']:.1%} | "
                 f"{res['peak_alloc_gib']} / {res['peak_reserved_gib']} |"
             )
     return rows

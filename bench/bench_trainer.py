@@ -13,6 +13,7 @@ training may continue) and a load, all through CheckpointManager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -58,8 +59,6 @@ def strategy_options(a) -> dict:
 
 def attention_backends(name: str):
     """A context that puts one SDPA backend first (it must cover compilation, which picks the kernel)."""
-    import contextlib
-
     if name == "default":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -7,10 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+import summarize
 
-import summarize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TOY = """
 import json, torch

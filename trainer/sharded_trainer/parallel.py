@@ -104,34 +104,38 @@ class Strategy(Protocol):
 # --- FSDP2 --------------------------------------------------------------------------------------
 
 
-def apply_fsdp(
-    model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: torch.dtype, device: torch.device
-) -> nn.Module:
+def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> list[nn.Module]:
+    """Apply activation checkpointing and torch.compile to each transformer block; return the blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, block in list(model.layers.items()):
+        if activation_checkpointing:
+            # The wrapper keeps parameter names clean in state dicts (DCP strips its prefix).
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[name] = block
+        if compile:
+            block.compile()  # in place, so parameter FQNs do not gain an `_orig_mod.` prefix
+    return list(model.layers.values())
+
+
+def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: torch.dtype) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, final norm, output) with FSDP2.
 
     Blocks are sharded first so each one all-gathers and frees its own parameters around its compute;
     the root call then picks up whatever parameters no block owns (the tied embedding among them).
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[options.reduce_dtype])
     if param_dtype == torch.float32:
         mp = MixedPrecisionPolicy()
     extra = {"offload_policy": CPUOffloadPolicy()} if options.cpu_offload else {}
-    blocks = list(model.layers.items())
-    for name, block in blocks:
-        if options.activation_checkpointing:
-            # The wrapper keeps parameter names clean in state dicts (DCP strips its prefix).
-            block = checkpoint_wrapper(block, preserve_rng_state=False)
-            model.layers[name] = block
-        if options.compile:
-            block.compile()  # in place, so parameter FQNs do not gain an `_orig_mod.` prefix
+    sharded = wrap_blocks(model, activation_checkpointing=options.activation_checkpointing, compile=options.compile)
+    for block in sharded:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     if options.prefetch > 1:
-        sharded = list(model.layers.values())
         for i, block in enumerate(sharded):
             block.set_modules_to_forward_prefetch(sharded[i + 1 : i + 1 + options.prefetch])
             block.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - options.prefetch) : i])))
@@ -157,9 +161,7 @@ class FsdpStrategy:
 
         self.env, self.cfg = env, cfg
         self.mesh = init_device_mesh(env.device.type, (env.world,))
-        self.model = apply_fsdp(
-            model, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision], device=env.device
-        )
+        self.model = apply_fsdp(model, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision])
         self.loss = loss_function(cfg.strategy.fsdp.compile)
         self.optimizer = make_optimizer(self.model.parameters(), cfg, env.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.schedule, cfg.steps))
@@ -255,14 +257,7 @@ def apply_zero2(model: nn.Module, *, cfg: TrainerConfig, device: torch.device):
     import deepspeed
 
     options = cfg.strategy.zero2
-    if options.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for name, block in list(model.layers.items()):
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-    if options.compile:
-        for block in model.layers.values():
-            block.compile()
+    wrap_blocks(model, activation_checkpointing=options.activation_checkpointing, compile=options.compile)
     model.to(device)
     if options.cpu_offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam

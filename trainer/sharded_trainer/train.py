@@ -66,8 +66,8 @@ def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
 
     # The stop vote travels over a CPU group so that it never waits for the GPU: steps stay queued.
     stop_group = dist.new_group(backend="gloo")
-    last_loss = None
-    while step < cfg.steps:
+    last_loss, preempted = None, False
+    while step < cfg.steps and not preempted:
         loss, grad_norm = strategy.train_step([loader.next_batch() for _ in range(cfg.grad_accum_steps)])
         step += 1
         meter.add(tokens_per_step)
@@ -82,18 +82,13 @@ def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
         state = {"data": loader.state_dict(), "loss": last_loss}
         if ckpt.save(step, strategy, state, force=preempted):
             progress.update(lastCheckpoint=ckpt.last_committed)  # an async save shows once committed
-        if preempted:
-            ckpt.wait()
-            progress.update(step=step, lastCheckpoint=ckpt.last_committed)
-            if env.is_main:
-                emit({"event": "preempted", "step": step, "checkpoint": ckpt.last_committed})
-            progress.flush()
-            return EXIT_PREEMPTED
     ckpt.wait()
     progress.update(step=step, lastCheckpoint=ckpt.last_committed)
     if env.is_main:
-        emit({"event": "finished", "step": step, "checkpoint": ckpt.last_committed})
+        emit({"event": "preempted" if preempted else "finished", "step": step, "checkpoint": ckpt.last_committed})
     progress.flush()
+    if preempted:
+        return EXIT_PREEMPTED
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
     return 0

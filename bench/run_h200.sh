@@ -5,15 +5,16 @@
 #   bench/run_h200.sh explore      # best-setting candidates (profiled), steady async save, memory at batch 1
 #   bench/run_h200.sh fsdp         # FSDP2 pairs: batch 4 and 8, eager and compiled
 #   bench/run_h200.sh zero2        # ZeRO-2 pairs: batch 4 and 8, eager and compiled; 1-GPU scaling pair
+#   bench/run_h200.sh compiled     # every compiled pair, the best setting, the 1-GPU pair
 #   bench/run_h200.sh checkpoint   # checkpoint cost: raw write, sync, async, load (FSDP2); DeepSpeed (ZeRO-2)
-#   bench/run_h200.sh eager        # eager pairs launched REPEAT times (default 2) each, then both sides profiled
+#   bench/run_h200.sh eager        # eager pairs at BATCH (default 4) launched REPEAT times (default 2); FSDP2 profiled
 #   bench/run_h200.sh checkpoint fsdp   # several phases in one call, in that order
-# REPEAT=N launches each pair N times, reference and trainer alternating; summarize.py takes medians.
+# REPEAT=N launches each pair N times, swapping which side goes first; summarize.py takes medians.
 # Arms run in the order listed; once BUDGET_S seconds (default 540) have passed the rest are skipped
 # and named in the output, so a call always returns inside the device tool's limit.
 # Needs: the reference scripts in $REF (default .ref/), PYTHONPATH with operator/ and trainer/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: $0 explore|fsdp|zero2|eager|checkpoint..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 explore|fsdp|zero2|eager|compiled|checkpoint..." >&2; exit 2; }
 steps="${STEPS:-20}"
 ref="${REF:-.ref}"
 budget="${BUDGET_S:-540}"
@@ -33,12 +34,28 @@ arm() {  # arm LABEL NPROC SCRIPT ARGS...
   echo "# $label took $((SECONDS - start)) s" >>"$out"
 }
 
-pair() {  # pair LABEL NPROC STRATEGY BATCH [--compile]: the reference arm, then the trainer's, REPEAT times
-  local ours="$3" i
+ref_arm() {  # ref_arm LABEL NPROC STRATEGY BATCH [ARGS...]: the hand-written reference
+  arm "ref-$1" "$2" "$ref/reference_fsdp_zero2.py" --strategy "$3" --batch "$4" --steps "$steps" "${@:5}"
+}
+
+our_arm() {  # our_arm LABEL NPROC STRATEGY BATCH [ARGS...]: the trainer, same arguments (fsdp2 is its fsdp)
+  local ours="$3"
   [ "$3" = fsdp2 ] && ours=fsdp
+  arm "trainer-$1" "$2" bench/bench_trainer.py --strategy "$ours" --batch "$4" --steps "$steps" "${@:5}"
+}
+
+pair() {  # pair LABEL NPROC STRATEGY BATCH [--compile]: the reference arm and the trainer's, REPEAT times
+  local i
   for ((i = 0; i < ${REPEAT:-1}; i++)); do
-    arm "ref-$1" "$2" "$ref/reference_fsdp_zero2.py" --strategy "$3" --batch "$4" --steps "$steps" "${@:5}"
-    arm "trainer-$1" "$2" bench/bench_trainer.py --strategy "$ours" --batch "$4" --steps "$steps" "${@:5}"
+    # Repeats swap the order (reference first, then trainer first, ...): GPUs warm up and drift over a call,
+    # and a fixed order would charge all of that drift to the same side.
+    if ((i % 2 == 0)); then
+      ref_arm "$@"
+      our_arm "$@"
+    else
+      our_arm "$@"
+      ref_arm "$@"
+    fi
   done
 }
 
@@ -81,11 +98,20 @@ case "$phase" in
     pair zero2-b8 2 zero2 8
     pair fsdp2-b4-compiled-1gpu 1 fsdp2 4 --compile
     ;;
-  eager)
-    REPEAT="${REPEAT:-2}" pair fsdp2-b4 2 fsdp2 4
-    REPEAT="${REPEAT:-2}" pair zero2-b4 2 zero2 4
-    profiled ref-fsdp2-b4 2 "$ref/reference_fsdp_zero2.py" --strategy fsdp2 --batch 4 --steps "$steps"
-    profiled trainer-fsdp2-b4 2 bench/bench_trainer.py --strategy fsdp --batch 4 --steps "$steps"
+  eager)  # at batch $BATCH (default 4)
+    b="${BATCH:-4}"
+    REPEAT="${REPEAT:-2}" pair "fsdp2-b$b" 2 fsdp2 "$b"
+    REPEAT="${REPEAT:-2}" pair "zero2-b$b" 2 zero2 "$b"
+    profiled "ref-fsdp2-b$b" 2 "$ref/reference_fsdp_zero2.py" --strategy fsdp2 --batch "$b" --steps "$steps"
+    profiled "trainer-fsdp2-b$b" 2 bench/bench_trainer.py --strategy fsdp --batch "$b" --steps "$steps"
+    ;;
+  compiled)  # every compiled pair, then the best setting
+    pair fsdp2-b4-compiled 2 fsdp2 4 --compile
+    pair fsdp2-b8-compiled 2 fsdp2 8 --compile
+    pair zero2-b4-compiled 2 zero2 4 --compile
+    pair zero2-b8-compiled 2 zero2 8 --compile
+    trainer fsdp2-b16-compiled-noreshard --strategy fsdp --batch 16 --compile --no-reshard
+    pair fsdp2-b4-compiled-1gpu 1 fsdp2 4 --compile
     ;;
   checkpoint)
     arm trainer-fsdp2-ckpt 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt

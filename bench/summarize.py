@@ -134,7 +134,8 @@ def plot(runs: dict[str, dict[str, dict]], out: Path) -> None:
         ax.bar([i + 0.2 for i in x], ours, 0.4, label="sharded_trainer")
         ax.set_ylabel(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(loc="lower right")
+    axes[0].set_ylim(0, max(ref_tps + our_tps) * 1.25)  # headroom for the legend above the bars
+    axes[0].legend(loc="upper left", ncol=2)
     axes[1].set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
     fig.suptitle("Llama 1.24B, seq 2048, bf16, 2x H200 unless noted (same-run pairs only)")
     fig.tight_layout()

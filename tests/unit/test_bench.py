@@ -61,3 +61,51 @@ def test_summary_takes_medians_of_repeated_arms_and_pairs_only_within_a_run(tmp_
     assert "| fsdp-run9 | b4 | 102 | 103 | 1.010 (0.952-1.050, n=3) |" in rows[2]
     only = summarize.trainer_only_table(runs)
     assert any("| fsdp-run9 | b16 | 120 |" in row for row in only)
+
+
+# Stands in for torchrun so the driver's own logic (order, arguments, budget) runs without GPUs.
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+shift 3  # --standalone --nproc-per-node N
+script="$1"; shift
+echo "RESULT {\\"script\\": \\"$(basename "$script")\\", \\"args\\": \\"$*\\"}"
+"""
+
+
+def run_driver(tmp_path, *phases, **env):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bindir / "torchrun").chmod(0o755)
+    out = tmp_path / "out"
+    full_env = {"PATH": f"{bindir}:/usr/bin:/bin", "OUT": str(out), **env}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "run_h200.sh"), *phases], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def arm_lines(path: Path) -> list[tuple[str, dict]]:
+    return [(line.split()[1], json.loads(line.split(" ", 3)[3])) for line in path.read_text().splitlines()
+            if line.startswith("ARM ")]  # fmt: skip
+
+
+def test_repeated_pairs_swap_which_side_goes_first_and_pass_the_same_settings(tmp_path):
+    out = run_driver(tmp_path, "eager", REPEAT="3", BATCH="8")
+    arms = arm_lines(out / "eager.txt")
+    fsdp = [label for label, _ in arms if label.endswith("fsdp2-b8")]
+    assert fsdp == ["ref-fsdp2-b8", "trainer-fsdp2-b8", "trainer-fsdp2-b8", "ref-fsdp2-b8", "ref-fsdp2-b8",
+                    "trainer-fsdp2-b8", "profile-ref-fsdp2-b8", "profile-trainer-fsdp2-b8"]  # fmt: skip
+    by_label = dict(arms)
+    settings = "--batch 8 --steps 20"
+    assert by_label["ref-fsdp2-b8"] == {"script": "reference_fsdp_zero2.py", "args": f"--strategy fsdp2 {settings}"}
+    assert by_label["trainer-fsdp2-b8"] == {"script": "bench_trainer.py", "args": f"--strategy fsdp {settings}"}
+    assert by_label["trainer-zero2-b8"]["args"] == f"--strategy zero2 {settings}"
+    assert by_label["profile-trainer-fsdp2-b8"]["script"] == "profile_run.py"
+
+
+def test_arms_past_the_time_budget_are_skipped_and_named(tmp_path):
+    out = run_driver(tmp_path, "compiled", BUDGET_S="0")
+    text = (out / "compiled.txt").read_text()
+    assert not arm_lines(out / "compiled.txt")
+    assert "# SKIPPED ref-fsdp2-b4-compiled (budget of 0s spent)" in text
+    assert "# SKIPPED trainer-fsdp2-b4-compiled-1gpu (budget of 0s spent)" in text

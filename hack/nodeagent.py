@@ -391,14 +391,16 @@ class NodeAgent:
                 os.killpg(run.proc.pid, signal.SIGKILL)
             run.proc.wait()
         # Workers torchrun started may have left the group: sweep the namespace's processes too.
+        self._sweep(run)
+
+    def _sweep(self, run: PodRun) -> None:
+        """SIGKILL every process left in the pod's network namespace."""
         for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
 
     def _cleanup(self, run: PodRun) -> None:
-        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+        self._sweep(run)
         sh("ip", "netns", "del", run.netns, check=False)
         shutil.rmtree(Path("/etc/netns") / run.netns, ignore_errors=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from manifests import mutate
 from sharded_operator.models import GROUP, KIND, VERSION, ShardedTrainingJob
 
 
@@ -18,11 +19,7 @@ class JobBuilder:
         }
 
     def _set(self, path: str, value: Any) -> JobBuilder:
-        node = self._obj["spec"]
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        self._obj = mutate(self._obj, {f"spec.{path}": value})
         return self
 
     def nodes(self, n: int) -> JobBuilder:

@@ -82,8 +82,13 @@ def rendezvous_port(job: ShardedTrainingJob) -> int:
     return 20000 + zlib.crc32(job.metadata.get("uid", _name(job)).encode()) % 20000
 
 
+def rendezvous_host(job: ShardedTrainingJob) -> str:
+    """Node 0's stable DNS name through the headless Service (hostname + subdomain)."""
+    return f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc"
+
+
 def rendezvous_endpoint(job: ShardedTrainingJob) -> str:
-    return f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc:{rendezvous_port(job)}"
+    return f"{rendezvous_host(job)}:{rendezvous_port(job)}"
 
 
 def shm_size(job: ShardedTrainingJob) -> str:
@@ -181,7 +186,7 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
         "PET_RDZV_ID": f"{job.metadata.get('uid', _name(job))}-{attempt}",
         "PET_RDZV_CONF": f"join_timeout={s.rendezvous.timeout_seconds}",
         "PET_MAX_RESTARTS": str(s.elastic.max_restarts if s.elastic else 0),
-        "MASTER_ADDR": f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc",
+        "MASTER_ADDR": rendezvous_host(job),
         "MASTER_PORT": str(port),
         "SHARDED_JOB_NAME": _name(job),
         "SHARDED_JOB_NAMESPACE": _ns(job),

@@ -43,8 +43,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def job_event(type: str, name: str, namespace: str, uid: str, memo: kopf.Memo, logger, **_: Any) -> None:
     if type == "DELETED":
-        memo.ctx.progress.forget(uid)
-        memo.ctx.metrics.observe_phase(uid, None)
+        memo.ctx.forget(uid)
         return
     reconcile(memo.ctx, namespace, name, logger)
 

@@ -30,6 +30,11 @@ class Context:
     metrics: Metrics = field(default_factory=Metrics)
     locks: defaultdict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
 
+    def forget(self, uid: str) -> None:
+        """Drop what is kept per job once the job is gone: its last progress report and its phase gauge."""
+        self.progress.forget(uid)
+        self.metrics.observe_phase(uid, None)
+
 
 def adopt(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
     """Owner reference (controller) and namespace, so children are garbage-collected with the job."""
@@ -93,8 +98,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         if plan.delete_job:
             logger.info("ttlSecondsAfterFinished reached: deleting the job")
             ctx.kube.delete_job(namespace, name)
-            ctx.progress.forget(uid)
-            ctx.metrics.observe_phase(uid, None)
+            ctx.forget(uid)
         return plan.status
 
 

@@ -10,7 +10,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from sharded_operator.builders import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX
+from sharded_operator.builders import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX, pod_name
 from sharded_operator.models import (
     CheckpointStatus,
     Condition,
@@ -104,6 +104,10 @@ def set_condition(status: ShardedTrainingJobStatus, type_: str, value: bool, rea
     )
 
 
+def set_ready(status: ShardedTrainingJobStatus, running: int, nodes: int) -> None:
+    status.ready_nodes, status.ready = running, f"{running}/{nodes}"
+
+
 def set_phase(status: ShardedTrainingJobStatus, phase: str, reason: str, message: str, now: str) -> None:
     status.phase = phase  # type: ignore[assignment]
     status.message = message
@@ -153,7 +157,7 @@ def find_failure(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs:
         present = {p.index for p in current}
         missing = sorted(set(range(job.spec.nodes)) - present)
         if missing:
-            name = f"{job.metadata['name']}-{missing[0]}"
+            name = pod_name(job, missing[0])
             return FailureInfo(
                 pod=name, node_rank=missing[0], reason="PodDeleted", message=f"pod {name} disappeared",
                 attempt=status.attempt, time=now,
@@ -186,8 +190,6 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     spec = job.spec
     status.observed_generation = job.metadata.get("generation")
     plan = Plan(status=status)
-    current = [p for p in obs.pods if p.attempt == status.attempt]
-    stale = [p for p in obs.pods if p.attempt != status.attempt]
 
     if status.phase in FINISHED:
         return _finished(job, plan, obs, now)
@@ -197,7 +199,8 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         status.start_time = status.start_time or ts
         set_phase(status, "Pending", "Created", "creating pods", ts)
         set_condition(status, "Created", True, "Created", "job accepted", ts)
-        current, stale = [p for p in obs.pods if p.attempt == 1], [p for p in obs.pods if p.attempt != 1]
+    current = [p for p in obs.pods if p.attempt == status.attempt]
+    stale = [p for p in obs.pods if p.attempt != status.attempt]
 
     _merge_progress(status, obs.progress)
 
@@ -207,7 +210,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         if status.phase != "Suspended":
             plan.events.append(("Normal", "Suspended", "deleting pods; the trainer checkpoints on SIGTERM"))
         set_phase(status, "Suspended", "Suspended", "suspended: pods deleted, resume by setting suspend false", ts)
-        status.ready_nodes, status.ready = 0, f"0/{spec.nodes}"
+        set_ready(status, 0, spec.nodes)
         return plan
     if status.phase == "Suspended":  # resumed: a fresh attempt with a fresh rendezvous
         status.attempt += 1
@@ -233,7 +236,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
 
     if current and all(p.phase == "Succeeded" for p in current) and len(current) == spec.nodes:
         status.completion_time = ts
-        status.ready_nodes, status.ready = 0, f"0/{spec.nodes}"
+        set_ready(status, 0, spec.nodes)
         set_phase(status, "Succeeded", "Completed", f"all {spec.nodes} nodes finished", ts)
         plan.events.append(("Normal", "Succeeded", f"training finished after {status.restarts} restarts"))
         return plan
@@ -241,7 +244,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     present = {p.index for p in current}
     plan.create = [i for i in range(spec.nodes) if i not in present]
     running = [p for p in current if p.phase == "Running"]
-    status.ready_nodes, status.ready = len(running), f"{len(running)}/{spec.nodes}"
+    set_ready(status, len(running), spec.nodes)
     if plan.create and not current:
         plan.events.append(("Normal", "Creating", f"creating {spec.nodes} pods for attempt {status.attempt}"))
     if len(running) == spec.nodes:
@@ -273,15 +276,15 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
         f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
     )
     if not classify(job, failure):
-        return _fail(job, plan, obs, "PermanentFailure", f"{detail}; exit code is permanent", now, event=True)
+        return _fail(job, plan, obs, "PermanentFailure", f"{detail}; exit code is permanent", now)
     if status.restarts >= job.spec.failure_policy.backoff_limit:
         limit = job.spec.failure_policy.backoff_limit
-        return _fail(job, plan, obs, "BackoffLimitExceeded", f"{detail}; {limit} restarts used", now, event=True)
+        return _fail(job, plan, obs, "BackoffLimitExceeded", f"{detail}; {limit} restarts used", now)
     status.restarts += 1
     status.attempt += 1
     plan.delete = [p.name for p in obs.pods if not p.deleting]
     plan.grace_seconds = grace
-    status.ready_nodes, status.ready = 0, f"0/{job.spec.nodes}"
+    set_ready(status, 0, job.spec.nodes)
     set_phase(
         status, "Restarting", failure.reason, f"{detail}; restarting the gang as attempt {status.attempt}", iso(now)
     )
@@ -291,13 +294,12 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
     return plan
 
 
-def _fail(job, plan: Plan, obs: Observed, reason: str, message: str, now: dt.datetime, event: bool = True) -> Plan:
+def _fail(job, plan: Plan, obs: Observed, reason: str, message: str, now: dt.datetime) -> Plan:
     status = plan.status
     status.completion_time = iso(now)
-    status.ready_nodes, status.ready = 0, f"0/{job.spec.nodes}"
+    set_ready(status, 0, job.spec.nodes)
     set_phase(status, "Failed", reason, message, iso(now))
-    if event:
-        plan.events.append(("Warning", reason, message))
+    plan.events.append(("Warning", reason, message))
     return _finished(job, plan, obs, now)
 
 

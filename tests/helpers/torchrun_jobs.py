@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from localcluster import free_port
+from manifests import mutate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,12 +35,7 @@ def write_config(directory: Path, **overrides) -> Path:
         "checkpoint": {"dir": str(directory / "ckpt"), "interval": 10, "keepLast": 10},
         "progressFile": str(directory / "progress.json"),
     }
-    for key, value in overrides.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    cfg = mutate(cfg, overrides)
     path = directory / "trainer.yaml"
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))

@@ -17,8 +17,6 @@ from sharded_trainer.metrics import Meter, ProgressFile, emit
 from sharded_trainer.model import Transformer, model_args
 from sharded_trainer.parallel import build_strategy, mean_over_ranks
 
-EXIT_PREEMPTED = exitcodes.PREEMPTED
-
 
 class StopRequest:
     """Set by SIGTERM/SIGINT; the loop turns it into one agreed step at which every rank stops."""
@@ -88,7 +86,7 @@ def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
         emit({"event": "preempted" if preempted else "finished", "step": step, "checkpoint": ckpt.last_committed})
     progress.flush()
     if preempted:
-        return EXIT_PREEMPTED
+        return exitcodes.PREEMPTED
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
     return 0

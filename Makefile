@@ -34,6 +34,7 @@ lint: setup binaries
 
 crds: setup
 	@$(PY) -m sharded_operator.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml
+	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/crds/
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
 
 test: setup binaries lint

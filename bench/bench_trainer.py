@@ -27,9 +27,9 @@ import torch.distributed as dist
 from sharded_trainer.checkpoint import CheckpointManager
 from sharded_trainer.config import TrainerConfig
 from sharded_trainer.data import ShardedLoader, TokenSource
-from sharded_trainer.dist import init_distributed
-from sharded_trainer.parallel import build_strategy
-from sharded_trainer.train import build_model
+from sharded_trainer.model import build_model
+from sharded_trainer.process_group import init_distributed
+from sharded_trainer.strategies import build_strategy
 
 
 def config(a) -> TrainerConfig:

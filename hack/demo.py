@@ -19,7 +19,15 @@ import yaml
 import localcluster
 from localstack import ROOT, LocalStack
 from nodeagent import can_isolate
-from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_operator.models import (
+    FINISHED,
+    GROUP,
+    PLURAL,
+    VERSION,
+    Phase,
+    Progress,
+    ShardedTrainingJobStatus,
+)
 
 
 def say(msg: str) -> None:
@@ -59,29 +67,30 @@ def main(argv: list[str] | None = None) -> int:
         spec = job["spec"]
         say(f"applied {Path(args.example).name}: {spec['nodes']} nodes, strategy {spec['strategy']['type']}")
         started, last = time.monotonic(), None
-        status: dict = {}
+        raw: dict = {}
+        status = ShardedTrainingJobStatus()
         while time.monotonic() - started < args.timeout:
-            status = stack.cluster.api("GET", f"{path}/{name}").get("status", {})
-            prog, ck = status.get("progress") or {}, status.get("lastCheckpoint") or {}
+            raw = stack.cluster.api("GET", f"{path}/{name}").get("status", {})
+            status = ShardedTrainingJobStatus.model_validate(raw)
+            prog, ck = status.progress or Progress(), status.last_checkpoint
             line = (
-                f"phase={status.get('phase')}  ready={status.get('ready')}  "
-                f"step={prog.get('step', '-')}/{prog.get('totalSteps', '-')}  loss={prog.get('loss', '-')}  "
-                f"tokens/s={prog.get('tokensPerSecond', '-')}  checkpoint={ck.get('step', '-')}  "
-                f"restarts={status.get('restarts', 0)}"
+                f"phase={status.phase}  ready={status.ready}  step={prog.step}/{prog.total_steps or '-'}  "
+                f"loss={prog.loss if prog.loss is not None else '-'}  tokens/s={prog.tokens_per_second or '-'}  "
+                f"checkpoint={ck.step if ck else '-'}  restarts={status.restarts}"
             )
             if line != last:  # print only what changed
                 print(f"{time.monotonic() - started:5.0f}s  {line}", flush=True)
                 last = line
-            if status.get("phase") in ("Succeeded", "Failed"):
+            if status.phase in FINISHED:
                 break
             time.sleep(1)
         say("final status:")
-        print(yaml.safe_dump(status, sort_keys=False), flush=True)
+        print(yaml.safe_dump(raw, sort_keys=False), flush=True)
         claim = f"{name}-checkpoints"
         ckpt = stack.claim_dir(ns, claim) / name
         say(f"checkpoints on claim {claim} ({ckpt}):")
         print("\n".join(tree(ckpt)), flush=True)
-        ok = status.get("phase") == "Succeeded"
+        ok = status.phase == Phase.SUCCEEDED
         if not ok:
             for log in sorted((workdir / "nodeagent" / "pods").glob("*/container.log")):
                 say(f"--- {log.parent.name} ---")

@@ -61,7 +61,7 @@ def _write_pki(pki: Path) -> None:
     from cryptography.x509.oid import NameOID
 
     pki.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     later = now + datetime.timedelta(days=365)
 
     def key() -> rsa.RSAPrivateKey:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sharded_operator.builders import quantity_bytes
+from sharded_operator.quantity import quantity_value
 
 BRIDGE = "shbr0"
 SUBNET = ipaddress.ip_network("10.203.0.0/16")
@@ -38,7 +38,7 @@ NODE_LABEL = "local"
 
 
 def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -332,7 +332,7 @@ class NodeAgent:
             # The mount point must exist in the shared filesystem; the mount itself stays in the pod's namespace.
             Path(m.mount_path).mkdir(parents=True, exist_ok=True)
             if tmpfs:
-                lines.append(f"mount -t tmpfs -o size={int(quantity_bytes(tmpfs))} tmpfs {target}")
+                lines.append(f"mount -t tmpfs -o size={int(quantity_value(tmpfs))} tmpfs {target}")
             else:
                 lines.append(f"mount --bind {shlex.quote(str(src))} {target}")
             if m.read_only:

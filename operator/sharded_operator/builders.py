@@ -1,38 +1,26 @@
 """Pure builders: (job, settings) -> the Service, ConfigMap, PVC, PodGroup and Pod manifests of a job.
 
-No API calls here; the handlers create what these return. Owner references are added by the caller
-(kopf.adopt), except on the checkpoint PVC, which outlives the job unless told otherwise.
+No API calls here; reconcile creates what these return and adds the owner reference itself
+(`reconcile.adopt`), except on the checkpoint PVC, which outlives the job unless told otherwise.
+Every variable a pod gets is named in `sharded_trainer.contract.PodEnv`.
 """
 
 from __future__ import annotations
 
-import re
+import posixpath
 import zlib
 from typing import Any
 
 import yaml
 
-from sharded_operator.models import ShardedTrainingJob
+from sharded_operator.models import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, ShardedTrainingJob
+from sharded_operator.quantity import quantity_value
 from sharded_operator.settings import OperatorSettings
 from sharded_trainer.config import CheckpointConfig, TrainerConfig
+from sharded_trainer.contract import CONTRACT_VERSION, PodEnv
 
-LABEL_JOB = "training.sharded.dev/job-name"
-LABEL_INDEX = "training.sharded.dev/node-index"
-LABEL_ATTEMPT = "training.sharded.dev/attempt"
-CONFIG_KEY = "trainer.yaml"
 CONTAINER = "trainer"
 SHM_DEFAULT_BYTES = 2 * 2**30
-_UNITS = {
-    "": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
-
-
-def quantity_bytes(q: int | str) -> float:
-    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(q))
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"not a quantity: {q!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def _name(job: ShardedTrainingJob) -> str:
@@ -97,7 +85,7 @@ def shm_size(job: ShardedTrainingJob) -> str:
     if s.shm_size is not None:
         return str(s.shm_size)
     if s.resources.memory is not None:
-        return str(int(quantity_bytes(s.resources.memory) // 2))
+        return str(int(quantity_value(s.resources.memory) // 2))
     return str(SHM_DEFAULT_BYTES)
 
 
@@ -129,13 +117,14 @@ def trainer_config(job: ShardedTrainingJob) -> TrainerConfig:
     return TrainerConfig(**s.trainer.model_dump(), strategy=s.strategy, checkpoint=checkpoint, backend=backend(job))
 
 
-def build_config_map(job: ShardedTrainingJob) -> dict[str, Any]:
+def build_config_map(job: ShardedTrainingJob, settings: OperatorSettings) -> dict[str, Any]:
+    """The trainer config, under the file name the pods read it as (settings.trainer_config_path)."""
     cfg = trainer_config(job).model_dump(by_alias=True, exclude_none=True, mode="json")
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": config_map_name(job), "labels": job_labels(job)},
-        "data": {CONFIG_KEY: yaml.safe_dump(cfg, sort_keys=False)},
+        "data": {posixpath.basename(settings.trainer_config_path): yaml.safe_dump(cfg, sort_keys=False)},
     }
 
 
@@ -178,24 +167,25 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
     port = rendezvous_port(job)
     nnodes = f"{s.elastic.min_nodes}:{s.elastic.max_nodes}" if s.elastic else str(s.nodes)
     env = {
-        "PET_NNODES": nnodes,
-        "PET_NPROC_PER_NODE": str(procs_per_node(job, settings)),
-        "PET_NODE_RANK": str(index),
-        "PET_RDZV_BACKEND": "c10d",
-        "PET_RDZV_ENDPOINT": rendezvous_endpoint(job),
-        "PET_RDZV_ID": f"{job.metadata.get('uid', _name(job))}-{attempt}",
-        "PET_RDZV_CONF": f"join_timeout={s.rendezvous.timeout_seconds}",
-        "PET_MAX_RESTARTS": str(s.elastic.max_restarts if s.elastic else 0),
-        "MASTER_ADDR": rendezvous_host(job),
-        "MASTER_PORT": str(port),
-        "SHARDED_JOB_NAME": _name(job),
-        "SHARDED_JOB_NAMESPACE": _ns(job),
-        "SHARDED_JOB_UID": job.metadata.get("uid", ""),
-        "SHARDED_ATTEMPT": str(attempt),
-        "SHARDED_RDZV_TIMEOUT": str(s.rendezvous.timeout_seconds),
+        PodEnv.NNODES: nnodes,
+        PodEnv.NPROC_PER_NODE: str(procs_per_node(job, settings)),
+        PodEnv.NODE_RANK: str(index),
+        PodEnv.RDZV_BACKEND: "c10d",
+        PodEnv.RDZV_ENDPOINT: rendezvous_endpoint(job),
+        PodEnv.RDZV_ID: f"{job.metadata.get('uid', _name(job))}-{attempt}",
+        PodEnv.RDZV_CONF: f"join_timeout={s.rendezvous.timeout_seconds}",
+        PodEnv.MAX_RESTARTS: str(s.elastic.max_restarts if s.elastic else 0),
+        PodEnv.MASTER_ADDR: rendezvous_host(job),
+        PodEnv.MASTER_PORT: str(port),
+        PodEnv.JOB_NAME: _name(job),
+        PodEnv.JOB_NAMESPACE: _ns(job),
+        PodEnv.JOB_UID: job.metadata.get("uid", ""),
+        PodEnv.ATTEMPT: str(attempt),
+        PodEnv.RDZV_TIMEOUT: str(s.rendezvous.timeout_seconds),
+        PodEnv.CONTRACT_VERSION: str(CONTRACT_VERSION),
     }
     if settings.progress_url:
-        env["SHARDED_PROGRESS_URL"] = settings.progress_url
+        env[PodEnv.PROGRESS_URL] = settings.progress_url
     if s.resources.gpus_per_node == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU fallback, even on a node that has GPUs
     ib = s.network.infiniband
@@ -207,10 +197,10 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
             env["NCCL_IB_GID_INDEX"] = str(ib.gid_index)
     if s.network.socket_interface:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = s.network.socket_interface
-    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    out: list[dict[str, Any]] = [{"name": str(k), "value": v} for k, v in env.items()]
     out += [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": PodEnv.POD_NAME.value, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": PodEnv.NODE_NAME.value, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
     out += [e.model_dump(by_alias=True, exclude_none=True) for e in s.pod.env]
     return out
@@ -250,7 +240,7 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
     if s.command:
         command += ["--", *s.command]
     mounts = [
-        {"name": "trainer-config", "mountPath": settings.trainer_config_path.rsplit("/", 1)[0], "readOnly": True},
+        {"name": "trainer-config", "mountPath": posixpath.dirname(settings.trainer_config_path), "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     volumes: list[dict[str, Any]] = [

@@ -98,7 +98,7 @@ def build_crd() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
-        "x-kubernetes-validations": models.ROOT_RULES,
+        "x-kubernetes-validations": [r.to_cel(models.ShardedTrainingJob) for r in models.ShardedTrainingJob.rules],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

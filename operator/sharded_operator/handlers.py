@@ -8,9 +8,8 @@ from typing import Any
 import kopf
 
 from sharded_operator import web
-from sharded_operator.builders import LABEL_JOB
 from sharded_operator.k8s import Kube
-from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_operator.models import GROUP, LABEL_JOB, PLURAL, VERSION
 from sharded_operator.reconcile import Context, reconcile
 from sharded_operator.settings import OperatorSettings
 

@@ -12,8 +12,7 @@ from typing import Any, TypeVar
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from sharded_operator.builders import LABEL_JOB
-from sharded_operator.models import GROUP, KIND, PLURAL, VERSION
+from sharded_operator.models import GROUP, KIND, LABEL_JOB, PLURAL, VERSION
 
 T = TypeVar("T")
 _TRANSIENT = {429, 500, 502, 503, 504}
@@ -130,7 +129,7 @@ class Kube:
     @retrying
     def event(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None:
         meta = job["metadata"]
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         body = {
             "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
             "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),

@@ -1,436 +1,108 @@
-"""The ShardedTrainingJob API: pydantic spec and status, the single source of the CRD in crds/.
+"""The ShardedTrainingJob API: names, the spec and status models, the single source of the CRD in crds/.
 
-Field descriptions become the CRD's OpenAPI descriptions (`kubectl explain stj.spec`), and the
-`x-kubernetes-validations` declared next to each model become admission-time CEL rules. The same
-rules are mirrored by pydantic validators so an object that slipped past admission (an older CRD,
-say) still fails with the same message instead of reaching a pod.
+Field descriptions become the CRD's OpenAPI descriptions (`kubectl explain stj.spec`); each model's
+`rules` become admission-time CEL rules and are checked again in Python with the same wording, so an
+object that slipped past admission (an older CRD, say) fails with the same message instead of
+reaching a pod. The parts of the spec live in `spec`.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field
 
-from sharded_trainer.config import (
-    RESERVED_ENV,
-    RESERVED_ENV_PREFIX,
-    CheckpointPolicy,
-    Model,
-    StrategyConfig,
-    TrainingSpec,
+from sharded_operator.spec import (
+    PROCS_SCHEMA,
+    ApiModel,
+    Checkpoint,
+    Elastic,
+    FailurePolicy,
+    Network,
+    PodOverrides,
+    Quantity,
+    Rendezvous,
+    Resources,
+    RunPolicy,
+    Scheduling,
+    _quantity_field,
 )
+from sharded_trainer.config import StrategyConfig, TrainerConfig, TrainingSpec
+from sharded_trainer.contract import DEFAULT_CONFIG_PATH
+from sharded_trainer.rules import At, Has, Rule, Ruled
 
 GROUP = "training.sharded.dev"
 VERSION = "v1alpha1"
 KIND = "ShardedTrainingJob"
 PLURAL = "shardedtrainingjobs"
 SHORT_NAME = "stj"
+# Labels on every child of a job: which job, which node of the gang, which attempt created it.
+LABEL_JOB = f"{GROUP}/job-name"
+LABEL_INDEX = f"{GROUP}/node-index"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
 # Pods are named <job>-<index> and double as hostnames (63-character DNS labels); PVCs <job>-checkpoints.
 MAX_NAME_LENGTH = 50
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
 
-
-def _rule(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict:
-    out: dict[str, Any] = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    if reason:
-        out["reason"] = reason
-    return out
-
-
-def _immutable(what: str) -> dict:
-    return {"x-kubernetes-validations": [_rule("self == oldSelf", f"{what} is immutable after creation")]}
-
-
-def _quantity_field(description: str, default: str | None = None) -> Any:
-    return Field(
-        default,
-        description=description,
-        json_schema_extra={
-            "x-kubernetes-int-or-string": True,
-            "x-kubernetes-validations": [
-                _rule(
-                    "type(self) == int ? self >= 0 : isQuantity(self)",
-                    "must be a Kubernetes quantity such as 16Gi, 500m or 4",
-                )
-            ],
-        },
-    )
-
-
-def _check_quantity(v: int | str) -> int | str:
-    if (isinstance(v, int) and v >= 0) or (isinstance(v, str) and QUANTITY_RE.match(v)):
-        return v
-    raise ValueError("must be a Kubernetes quantity such as 16Gi, 500m or 4")
-
-
-Quantity = Annotated[int | str, AfterValidator(_check_quantity)]
-
-
-class ApiModel(Model):
-    """Base of the CRD models; same camelCase and strictness as the trainer config."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
-
-
-class Resources(ApiModel):
-    """Per-pod compute resources (one pod per node)."""
-
-    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs requested by each pod; 0 runs on CPU with gloo.")
-    gpu_resource_name: str = Field(
-        "nvidia.com/gpu", max_length=253, description="Extended resource name of a GPU on your nodes."
-    )
-    cpu: Quantity | None = _quantity_field("CPU request and limit of each pod, e.g. 32 or 1500m.")
-    memory: Quantity | None = _quantity_field("Memory request and limit of each pod, e.g. 512Gi.")
-
-
-class InfiniBand(ApiModel):
-    """RDMA networking for NCCL across nodes."""
-
-    enabled: bool = Field(False, description="Request RDMA devices and set NCCL's InfiniBand variables.")
-    resource_name: str = Field(
-        "rdma/ib", max_length=253, description="Extended resource the RDMA device plugin advertises."
-    )
-    resource_count: int = Field(1, ge=1, le=64, description="RDMA devices requested per pod.")
-    hcas: str | None = Field(
-        None, max_length=512, description="NCCL_IB_HCA value, e.g. mlx5_0,mlx5_1 (unset lets NCCL choose)."
-    )
-    gid_index: int | None = Field(None, ge=0, le=255, description="NCCL_IB_GID_INDEX (RoCE: usually 3).")
-
-
-class Network(ApiModel):
-    """Collective backend and pod networking."""
-
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="auto: nccl when gpusPerNode > 0, gloo otherwise."
-    )
-    infiniband: InfiniBand = Field(default_factory=InfiniBand, description="InfiniBand / RoCE profile.")
-    host_network: bool = Field(
-        False, description="Run pods in the node's network namespace (dnsPolicy ClusterFirstWithHostNet)."
-    )
-    socket_interface: str | None = Field(
-        None, max_length=64, description="NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, e.g. eth0 or ^lo,docker."
-    )
-
-
-class Rendezvous(ApiModel):
-    """torchrun's c10d rendezvous, hosted by node 0."""
-
-    port: int = Field(29400, ge=1024, le=65535, description="Rendezvous TCP port on node 0.")
-    timeout_seconds: int = Field(
-        900, ge=30, le=86400, description="How long agents wait for every node to join before failing."
-    )
-
-
-class Elastic(ApiModel):
-    """Elastic membership: the gang may run with between minNodes and maxNodes nodes."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [_rule("self.minNodes <= self.maxNodes", "minNodes must not exceed maxNodes")]
-        }
-    )
-    min_nodes: int = Field(..., ge=1, le=1024, description="Fewest nodes training may continue with.")
-    max_nodes: int = Field(..., ge=1, le=1024, description="Most nodes the job may use.")
-    max_restarts: int = Field(3, ge=0, le=100, description="torchrun's in-place restarts before the pod fails.")
-
-    @model_validator(mode="after")
-    def _order(self) -> Elastic:
-        if self.min_nodes > self.max_nodes:
-            raise ValueError("minNodes must not exceed maxNodes")
-        return self
-
-
-class VolumeClaim(ApiModel):
-    """A PersistentVolumeClaim the operator creates for checkpoints."""
-
-    size: Quantity = _quantity_field("Requested storage, e.g. 500Gi.", default="10Gi")
-    storage_class_name: str | None = Field(None, max_length=253, description="StorageClass; unset uses the default.")
-    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]] = Field(
-        default_factory=lambda: ["ReadWriteMany"],
-        min_length=1,
-        max_length=3,
-        description="Multi-node jobs need ReadWriteMany: every node writes its own shards.",
-    )
-    retain_on_delete: bool = Field(True, description="Keep the claim (and the checkpoints) when the job is deleted.")
-
-
-class Checkpoint(CheckpointPolicy):
-    """Checkpoint storage (an existing claim or one to create) plus the trainer's save policy."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _rule(
-                    "has(self.existingClaim) != has(self.volumeClaim)",
-                    "set exactly one of existingClaim (a PVC you made) or volumeClaim (one to create)",
-                )
-            ]
-        }
-    )
-    existing_claim: str | None = Field(
-        None,
-        max_length=253,
-        description="Name of an existing PersistentVolumeClaim to store checkpoints in.",
-        json_schema_extra=_immutable("checkpoint.existingClaim"),
-    )
-    volume_claim: VolumeClaim | None = Field(
-        None,
-        description="Create a PVC named <job>-checkpoints.",
-        json_schema_extra=_immutable("checkpoint.volumeClaim"),
-    )
-    mount_path: str = Field(
-        "/checkpoints", pattern=r"^/.*", max_length=1024, description="Where the claim is mounted in each pod."
-    )
-    sub_path: str | None = Field(
-        None, max_length=1024, description="Directory inside the claim; default is the job's name."
-    )
-
-    @model_validator(mode="after")
-    def _one_claim(self) -> Checkpoint:
-        if (self.existing_claim is None) == (self.volume_claim is None):
-            raise ValueError("set exactly one of existingClaim (a PVC you made) or volumeClaim (one to create)")
-        return self
-
-
-ExitCode = Annotated[int, Field(ge=0, le=255)]
-
-
-class FailurePolicy(ApiModel):
-    """When a failure restarts the gang and when it ends the job."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _rule(
-                    "!has(self.permanentExitCodes) || !has(self.retryableExitCodes) || "
-                    "self.permanentExitCodes.all(c, !(c in self.retryableExitCodes))",
-                    "an exit code cannot be both retryable and permanent",
-                )
-            ]
-        }
-    )
-    backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
-    permanent_exit_codes: list[ExitCode] = Field(
-        [2],  # pydantic copies mutable defaults per instance; a literal also lands in the CRD's schema
-        max_length=256,
-        description="Exit codes that fail the job at once (2: invalid trainer config).",
-    )
-    retryable_exit_codes: list[ExitCode] | None = Field(
-        None,
-        max_length=256,
-        description="If set, only these exit codes (and evictions / node loss) restart the gang; others fail it.",
-    )
-    hang_timeout_seconds: int | None = Field(
-        None, ge=60, le=604800, description="Restart the gang when training reports no progress for this long."
-    )
-
-    @model_validator(mode="after")
-    def _disjoint(self) -> FailurePolicy:
-        if self.retryable_exit_codes and set(self.retryable_exit_codes) & set(self.permanent_exit_codes):
-            raise ValueError("an exit code cannot be both retryable and permanent")
-        return self
-
-
-class RunPolicy(ApiModel):
-    """Job-level lifetime controls, as in Kubernetes Jobs."""
-
-    suspend: bool = Field(False, description="Delete the pods (after a final checkpoint) and keep the job.")
-    active_deadline_seconds: int | None = Field(
-        None, ge=1, description="Fail the job when it has been active this long."
-    )
-    ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the job this long after it succeeded or failed."
-    )
-    clean_pod_policy: Literal["None", "Running", "All"] = Field(
-        "Running", description="Pods deleted when the job ends: None, Running (still running ones) or All."
-    )
-
-
-class Gang(ApiModel):
-    """All-or-nothing scheduling through a PodGroup."""
-
-    enabled: bool = Field(False, description="Create a PodGroup so the gang is scheduled all at once.")
-    provider: Literal["volcano", "scheduler-plugins"] = Field(
-        "scheduler-plugins", description="Whose PodGroup API to use."
-    )
-    schedule_timeout_seconds: int = Field(300, ge=1, description="scheduler-plugins: give up after this long.")
-
-
-class Scheduling(ApiModel):
-    """Where pods may run."""
-
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
-    affinity: dict[str, Any] | None = Field(None, description="Pod affinity (a core/v1 Affinity).")
-    priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
-    scheduler_name: str | None = Field(None, max_length=253, description="Scheduler of the pods.")
-    queue_name: str | None = Field(
-        None, max_length=63, description="Kueue LocalQueue; sets the kueue.x-k8s.io/queue-name label."
-    )
-    gang: Gang = Field(default_factory=Gang, description="Gang scheduling.")
-
-
-class EnvVar(ApiModel):
-    """An environment variable for the trainer container."""
-
-    name: str = Field(..., min_length=1, max_length=256, description="Variable name.")
-    value: str | None = Field(None, description="Literal value.")
-    value_from: dict[str, Any] | None = Field(None, description="A core/v1 EnvVarSource.")
-
-
-_ENV_RULE = (
-    "self.all(e, !e.name.startsWith('"
-    + RESERVED_ENV_PREFIX
-    + "') && !(e.name in "
-    + str(list(RESERVED_ENV)).replace('"', "'")
-    + "))"
-)
-
-
-class PodOverrides(ApiModel):
-    """Additions to every pod of the job."""
-
-    env: list[EnvVar] = Field(
-        default_factory=list,
-        max_length=256,
-        description="Extra environment. Rendezvous variables (PET_*, MASTER_ADDR, WORLD_SIZE, ...) are the "
-        "operator's and are refused.",
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                _rule(
-                    _ENV_RULE,
-                    "pod.env must not set PET_* or "
-                    + ", ".join(RESERVED_ENV)
-                    + ": the operator sets them for the rendezvous",
-                )
-            ]
-        },
-    )
-    volumes: list[dict[str, Any]] = Field(default_factory=list, description="Extra core/v1 Volumes.")
-    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, description="Extra VolumeMounts.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
-    service_account_name: str | None = Field(None, max_length=253, description="ServiceAccount of the pods.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
-        None, description="Image pull policy of the trainer container."
-    )
-
-    @field_validator("env")
-    @classmethod
-    def _no_reserved(cls, env: list[EnvVar]) -> list[EnvVar]:
-        for e in env:
-            if e.name.startswith(RESERVED_ENV_PREFIX) or e.name in RESERVED_ENV:
-                raise ValueError(
-                    f"pod.env must not set {e.name}: the operator sets PET_* and {', '.join(RESERVED_ENV)}"
-                )
-        return env
-
-
-_PROCS_SCHEMA = {
-    "x-kubernetes-int-or-string": True,
-    "x-kubernetes-validations": [
-        _rule(
-            "type(self) == int ? (self >= 1 && self <= 64) : self == 'auto'",
-            "procsPerNode must be 'auto' or a number from 1 to 64",
+_GPUS = At("resources.gpusPerNode")
+SPEC_RULES = (
+    Rule(
+        "nodes", "must lie between elastic.minNodes and elastic.maxNodes",
+        Has("elastic").implies(At("elastic.minNodes").le(At("nodes")) & At("nodes").le(At("elastic.maxNodes"))),
+        good=({"nodes": 2, "elastic": {"minNodes": 1, "maxNodes": 2}},),
+        bad=(
+            {"nodes": 3, "elastic": {"minNodes": 1, "maxNodes": 2}},
+            {"nodes": 1, "elastic": {"minNodes": 2, "maxNodes": 4}},
         ),
-        _rule("self == oldSelf", "procsPerNode is immutable after creation"),
-    ],
-}
-
-
-@dataclass(frozen=True)
-class CrossFieldRule:
-    """One constraint across spec fields, written once: CEL for admission, Python for the operator."""
-
-    field: str  # path under spec the error is reported at
-    message: str
-    cel: str  # evaluated with self = spec
-    holds: Callable[[ShardedTrainingJobSpec], bool]
-
-
-CROSS_FIELD_RULES = [
-    CrossFieldRule(
-        "nodes",
-        "must lie between elastic.minNodes and elastic.maxNodes",
-        "!has(self.elastic) || (self.elastic.minNodes <= self.nodes && self.nodes <= self.elastic.maxNodes)",
-        lambda s: not s.elastic or s.elastic.min_nodes <= s.nodes <= s.elastic.max_nodes,
     ),
-    CrossFieldRule(
+    Rule(
         "network.infiniband.enabled",
         "InfiniBand needs GPUs: set resources.gpusPerNode > 0 or disable network.infiniband",
-        "!has(self.network) || !has(self.network.infiniband) || !self.network.infiniband.enabled || "
-        "(has(self.resources) && self.resources.gpusPerNode > 0)",
-        lambda s: not s.network.infiniband.enabled or s.resources.gpus_per_node > 0,
+        At("network.infiniband.enabled").implies(_GPUS.gt(0)),
+        good=({"network": {"infiniband": {"enabled": True}}, "resources": {"gpusPerNode": 8}},),
+        bad=({"network": {"infiniband": {"enabled": True}}},),
     ),
-    CrossFieldRule(
-        "network.backend",
-        "nccl needs GPUs: set resources.gpusPerNode > 0 or use backend auto or gloo",
-        "!has(self.network) || !has(self.network.backend) || self.network.backend != 'nccl' || "
-        "(has(self.resources) && self.resources.gpusPerNode > 0)",
-        lambda s: s.network.backend != "nccl" or s.resources.gpus_per_node > 0,
+    Rule(
+        "network.backend", "nccl needs GPUs: set resources.gpusPerNode > 0 or use backend auto or gloo",
+        At("network.backend").ne("nccl") | _GPUS.gt(0),
+        good=({"network": {"backend": "nccl"}, "resources": {"gpusPerNode": 2}},),
+        bad=({"network": {"backend": "nccl"}},),
     ),
-    CrossFieldRule(
-        "procsPerNode",
-        "exceeds resources.gpusPerNode: each process needs a GPU of its own",
-        "!has(self.procsPerNode) || type(self.procsPerNode) != int || !has(self.resources) || "
-        "self.resources.gpusPerNode == 0 || self.procsPerNode <= self.resources.gpusPerNode",
-        lambda s: (
-            not isinstance(s.procs_per_node, int)
-            or s.resources.gpus_per_node == 0
-            or s.procs_per_node <= s.resources.gpus_per_node
-        ),
+    Rule(
+        "procsPerNode", "exceeds resources.gpusPerNode: each process needs a GPU of its own",
+        (At("procsPerNode").is_int() & _GPUS.gt(0)).implies(At("procsPerNode").le(_GPUS)),
+        good=({"procsPerNode": 4, "resources": {"gpusPerNode": 4}}, {"procsPerNode": 8}),
+        bad=({"procsPerNode": 8, "resources": {"gpusPerNode": 4}},),
     ),
-    CrossFieldRule(
-        "trainer.precision",
-        "fp16 needs a loss scaler that FSDP2 does not provide: use bf16, or strategy.type zero2",
-        "!has(self.strategy) || !has(self.strategy.type) || self.strategy.type != 'fsdp' || "
-        "!has(self.trainer) || !has(self.trainer.precision) || self.trainer.precision != 'fp16'",
-        lambda s: not (s.strategy.type == "fsdp" and s.trainer.precision == "fp16"),
+    *(r.rebased({"precision": "trainer.precision"}) for r in TrainerConfig.rules),
+    Rule(
+        "scheduling.gang.enabled", "gang scheduling cannot be combined with elastic: a gang has a fixed size",
+        At("scheduling.gang.enabled").implies(~Has("elastic")),
+        good=({"scheduling": {"gang": {"enabled": True}}},),
+        bad=({"scheduling": {"gang": {"enabled": True}}, "elastic": {"minNodes": 1, "maxNodes": 2}},),
     ),
-    CrossFieldRule(
-        "checkpoint.async",
-        "asynchronous saves are supported for strategy.type fsdp only",
-        "!has(self.checkpoint) || !has(self.checkpoint.async) || !self.checkpoint.async || "
-        "!has(self.strategy) || !has(self.strategy.type) || self.strategy.type == 'fsdp'",
-        lambda s: not (s.checkpoint and s.checkpoint.async_save and s.strategy.type != "fsdp"),
-    ),
-    CrossFieldRule(
-        "scheduling.gang.enabled",
-        "gang scheduling cannot be combined with elastic: a gang has a fixed size",
-        "!has(self.scheduling) || !has(self.scheduling.gang) || !self.scheduling.gang.enabled || !has(self.elastic)",
-        lambda s: not (s.scheduling.gang.enabled and s.elastic),
-    ),
-]
-
-_SPEC_RULES = [
-    _rule(
-        "!has(oldSelf.strategy) || !has(self.strategy) || !has(oldSelf.strategy.type) || "
-        "!has(self.strategy.type) || self.strategy.type == oldSelf.strategy.type",
-        "strategy.type is immutable after creation: FSDP and ZeRO-2 checkpoints are not interchangeable",
-        field_path=".strategy.type",
-    ),
-    *(_rule(r.cel, r.message, field_path="." + r.field) for r in CROSS_FIELD_RULES),
-]
+)  # fmt: skip
 
 
 class ShardedTrainingJobSpec(ApiModel):
     """Desired state of a ShardedTrainingJob: nodes x processes training one model with FSDP2 or ZeRO-2."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _SPEC_RULES})
+    rules = SPEC_RULES
+    # Transition rules need the old object, which only the API server has.
+    transition_rules: ClassVar[tuple[dict, ...]] = (
+        {
+            "rule": "!has(oldSelf.strategy) || !has(self.strategy) || self.strategy.type == oldSelf.strategy.type",
+            "message": "strategy.type is immutable after creation: FSDP and ZeRO-2 checkpoints are not interchangeable",
+            "fieldPath": ".strategy.type",
+        },
+    )
 
     nodes: int = Field(1, ge=1, le=1024, description="Pods (one torchrun agent each, one per node).")
     procs_per_node: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
         "auto",
         description="Processes per pod: 'auto' = resources.gpusPerNode, or 2 on CPU. WORLD_SIZE = nodes x this.",
-        json_schema_extra=_PROCS_SCHEMA,
+        json_schema_extra=PROCS_SCHEMA,
     )
     image: str = Field(..., min_length=1, max_length=1024, description="Trainer image (has torchrun and the trainer).")
     strategy: StrategyConfig = Field(
@@ -442,7 +114,7 @@ class ShardedTrainingJobSpec(ApiModel):
         min_length=1,
         max_length=256,
         description="Run this script (and arguments) under torchrun instead of the bundled trainer; the trainer "
-        "config is still mounted at /etc/sharded/trainer.yaml.",
+        f"config is still mounted at {DEFAULT_CONFIG_PATH}.",
     )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     shm_size: Quantity | None = _quantity_field(
@@ -457,17 +129,33 @@ class ShardedTrainingJobSpec(ApiModel):
     scheduling: Scheduling = Field(default_factory=Scheduling, description="Placement and gang scheduling.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Additions to every pod.")
 
-    @model_validator(mode="after")
-    def _cross_field(self) -> ShardedTrainingJobSpec:
-        broken = [f"{r.field}: {r.message}" for r in CROSS_FIELD_RULES if not r.holds(self)]
-        if broken:
-            raise ValueError("; ".join(broken))
-        return self
-
 
 # --- status -------------------------------------------------------------------------------------
 
-Phase = Literal["Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+class Phase(StrEnum):
+    """Where a job is in its lifecycle: Pending -> Starting -> Running (-> Restarting -> Running)* -> an end."""
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+FINISHED = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionType(StrEnum):
+    """Condition types in status.conditions; every phase but Pending and Starting has one of its own."""
+
+    CREATED = "Created"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
 
 
 class Condition(ApiModel):
@@ -516,6 +204,15 @@ class FailureInfo(ApiModel):
     time: str | None = Field(None, description="When it was observed (RFC 3339).")
 
 
+class TrainerEventCursor(ApiModel):
+    """Which trainer events have been reported, so none is reported twice (across operator restarts too)."""
+
+    model_config = ConfigDict(extra="ignore")
+    attempt: int = Field(..., description="Attempt of the trainer run that sent them.")
+    run: str = Field(..., description="Random id of that trainer process (a restarted worker has a new one).")
+    seq: int = Field(..., description="Sequence number of the last event reported.")
+
+
 class ShardedTrainingJobStatus(ApiModel):
     """Observed state of a ShardedTrainingJob."""
 
@@ -535,12 +232,29 @@ class ShardedTrainingJobStatus(ApiModel):
     start_time: str | None = Field(None, description="When the job first started (RFC 3339).")
     completion_time: str | None = Field(None, description="When the job succeeded or failed (RFC 3339).")
     observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
+    trainer_events: TrainerEventCursor | None = Field(
+        None, description="The last trainer event already turned into status and a Kubernetes event."
+    )
 
 
-class ShardedTrainingJob(BaseModel):
+class ShardedTrainingJob(Ruled):
     """A whole object as read from the API server."""
 
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
+    rules = (
+        Rule(
+            "", f"metadata.name must be at most {MAX_NAME_LENGTH} characters: pods are named <name>-<index> and "
+            "used as 63-character hostnames",
+            Has("metadata.name").implies(At("metadata.name").size().le(MAX_NAME_LENGTH)),
+            good=({"metadata": {"name": "a" * MAX_NAME_LENGTH}},), bad=({"metadata": {"name": "a" * 51}},),
+        ),
+        Rule(
+            "", "metadata.name must be a DNS label starting with a letter (a-z, 0-9, '-'): it names the headless "
+            "Service",
+            Has("metadata.name").implies(At("metadata.name").matches(NAME_PATTERN)),
+            good=({"metadata": {"name": "llama-8b"}},), bad=({"metadata": {"name": "8b-llama"}},),
+        ),
+    )  # fmt: skip
     api_version: str = Field(f"{GROUP}/{VERSION}", alias="apiVersion")
     kind: str = KIND
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -559,14 +273,3 @@ PRINTER_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
-ROOT_RULES = [
-    _rule(
-        f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
-        f"metadata.name must be at most {MAX_NAME_LENGTH} characters: pods are named <name>-<index> and "
-        "used as 63-character hostnames",
-    ),
-    _rule(
-        f"self.metadata.name.matches('{NAME_PATTERN}')",
-        "metadata.name must be a DNS label starting with a letter (a-z, 0-9, '-'): it names the headless Service",
-    ),
-]

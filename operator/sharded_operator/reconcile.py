@@ -13,11 +13,12 @@ from pydantic import ValidationError
 
 from sharded_operator import builders
 from sharded_operator.k8s import Kube, MissingAPI
-from sharded_operator.models import ShardedTrainingJob, ShardedTrainingJobStatus
+from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.status import Observed, PodView, decide, iso, set_phase
+from sharded_operator.status import Observed, PodView, decide, set_phase
 from sharded_operator.web import Metrics, ProgressStore
 from sharded_trainer.config import format_validation_error
+from sharded_trainer.contract import iso
 
 
 @dataclass
@@ -62,7 +63,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         uid = body["metadata"]["uid"]
         pods = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
         observed = Observed(pods=pods, nodes=ctx.kube.node_names(), progress=ctx.progress.get(uid))
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         grace = {"restart": ctx.settings.restart_grace_seconds, "suspend": ctx.settings.suspend_grace_seconds}
         plan = decide(job, observed, now, grace)
 
@@ -79,22 +80,23 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
                 pod = adopt(builders.build_pod(job, index, plan.status.attempt, ctx.settings), body)
                 if ctx.kube.create(namespace, pod):
                     ctx.metrics.pods_created.inc()
-        # 3. events and metrics for what changed
+        # 3. one status write, only when something changed
+        before = job.status
+        new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+        if new != before.model_dump(by_alias=True, exclude_none=True, mode="json"):
+            ctx.kube.patch_status(namespace, name, new)
+        # 4. events and metrics for what changed, once the status that records it is written: a
+        #    reconcile that fails before this point is retried and must not repeat them
         for type_, reason, message in plan.events:
             logger.info("%s: %s", reason, message)
             ctx.kube.event(body, type_, reason, message)
-        before = job.status
         if plan.status.restarts > before.restarts:
             ctx.metrics.restarts.labels(namespace).inc()
         if plan.status.last_failure and plan.status.last_failure != before.last_failure:
             ctx.metrics.failures.labels(plan.status.last_failure.reason).inc()
-        if plan.status.phase in ("Succeeded", "Failed") and before.phase != plan.status.phase:
+        if plan.status.phase in FINISHED and before.phase != plan.status.phase:
             ctx.metrics.finished.labels(plan.status.phase).inc()
         ctx.metrics.observe_phase(uid, plan.status.phase)
-        # 4. one status write, only when something changed
-        new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
-        if new != before.model_dump(by_alias=True, exclude_none=True, mode="json"):
-            ctx.kube.patch_status(namespace, name, new)
         if plan.delete_job:
             logger.info("ttlSecondsAfterFinished reached: deleting the job")
             ctx.kube.delete_job(namespace, name)
@@ -105,7 +107,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
 def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]) -> None:
     ns = body["metadata"]["namespace"]
     ctx.kube.create(ns, adopt(builders.build_service(job), body))
-    ctx.kube.create(ns, adopt(builders.build_config_map(job), body))
+    ctx.kube.create(ns, adopt(builders.build_config_map(job, ctx.settings), body))
     if (group := builders.build_pod_group(job)) is not None:
         ctx.kube.create(ns, adopt(group, body))
     if (pvc := builders.build_pvc(job)) is not None:
@@ -120,15 +122,16 @@ def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.L
     """A job the operator cannot run (it slipped past admission, or needs a missing API): Failed, once."""
     current = body.get("status") or {}
     status = ShardedTrainingJobStatus.model_validate(current)
-    if status.phase == "Failed":
+    if status.phase == Phase.FAILED:
         return status
-    now = iso(dt.datetime.now(dt.timezone.utc))
+    now = iso()
     status.completion_time = now
-    set_phase(status, "Failed", "InvalidSpec", message, now)
+    set_phase(status, Phase.FAILED, "InvalidSpec", message, now)
     logger.error("invalid job: %s", message)
-    ctx.kube.event(body, "Warning", "InvalidSpec", message)
     ctx.kube.patch_status(
-        body["metadata"]["namespace"], body["metadata"]["name"], status.model_dump(by_alias=True, exclude_none=True)
-    )
+        body["metadata"]["namespace"], body["metadata"]["name"],
+        status.model_dump(by_alias=True, exclude_none=True, mode="json"),
+    )  # fmt: skip
+    ctx.kube.event(body, "Warning", "InvalidSpec", message)
     ctx.metrics.failures.labels("InvalidSpec").inc()
     return status

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sharded_trainer.contract import DEFAULT_CONFIG_PATH
+
 ENV_PREFIX = "SHARDED_OPERATOR_"
 
 
@@ -31,7 +33,7 @@ class OperatorSettings(BaseModel):
     suspend_grace_seconds: int = Field(
         120, ge=0, description="Grace period on suspend: time for the trainer's final checkpoint."
     )
-    trainer_config_path: str = Field("/etc/sharded/trainer.yaml", description="Where pods mount the trainer config.")
+    trainer_config_path: str = Field(DEFAULT_CONFIG_PATH, description="Where pods read the trainer config.")
     cpu_procs_per_node: int = Field(2, ge=1, description="procsPerNode 'auto' on a CPU-only job.")
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 

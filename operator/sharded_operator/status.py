@@ -10,17 +10,30 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from sharded_operator.builders import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX, pod_name
+from sharded_operator.builders import CONTAINER, pod_name
 from sharded_operator.models import (
+    FINISHED,
+    LABEL_ATTEMPT,
+    LABEL_INDEX,
     CheckpointStatus,
     Condition,
+    ConditionType,
     FailureInfo,
+    Phase,
     Progress,
     ShardedTrainingJob,
     ShardedTrainingJobStatus,
+    TrainerEventCursor,
 )
+from sharded_trainer.contract import ProgressReport, TrainerEventType, iso, parse_iso
 
-FINISHED = ("Succeeded", "Failed")
+# Kubernetes pod phases (the pod's, not the job's).
+POD_FINISHED = ("Succeeded", "Failed")
+# How each trainer event shows among the job's Kubernetes events.
+_EVENT_TYPES = {
+    TrainerEventType.CHECKPOINT_SET_ASIDE: "Warning",
+    TrainerEventType.INCOMPATIBLE_CHECKPOINT: "Warning",
+}
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,7 @@ class PodView:
 class Observed:
     pods: list[PodView]
     nodes: set[str] | None = None  # names of existing nodes; None if not known
-    progress: dict[str, Any] | None = None  # latest report of rank 0 for the current attempt
+    progress: ProgressReport | None = None  # latest report of rank 0
 
 
 @dataclass
@@ -80,15 +93,9 @@ class Plan:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
 
 
-def iso(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(s: str | None) -> dt.datetime | None:
-    return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc) if s else None
-
-
-def set_condition(status: ShardedTrainingJobStatus, type_: str, value: bool, reason: str, message: str, now: str):
+def set_condition(
+    status: ShardedTrainingJobStatus, type_: ConditionType, value: bool, reason: str, message: str, now: str
+) -> None:
     """Upsert a condition; lastTransitionTime moves only when the status flips."""
     new = "True" if value else "False"
     for i, c in enumerate(status.conditions):
@@ -108,13 +115,14 @@ def set_ready(status: ShardedTrainingJobStatus, running: int, nodes: int) -> Non
     status.ready_nodes, status.ready = running, f"{running}/{nodes}"
 
 
-def set_phase(status: ShardedTrainingJobStatus, phase: str, reason: str, message: str, now: str) -> None:
-    status.phase = phase  # type: ignore[assignment]
+def set_phase(status: ShardedTrainingJobStatus, phase: Phase, reason: str, message: str, now: str) -> None:
+    """The phase, and the condition of each phase that has one: True for this phase, False for the rest."""
+    status.phase = phase
     status.message = message
-    for cond in ("Running", "Restarting", "Suspended", "Succeeded", "Failed"):
-        set_condition(
-            status, cond, cond == phase, reason if cond == phase else "", message if cond == phase else "", now
-        )
+    for cond in ConditionType:
+        if cond != ConditionType.CREATED:
+            on = cond.value == phase.value
+            set_condition(status, cond, on, reason if on else "", message if on else "", now)
 
 
 # --- failure policy -----------------------------------------------------------------------------
@@ -143,17 +151,17 @@ def find_failure(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs:
                 pod=p.name, node=p.node, node_rank=p.index, exit_code=p.exit_code, reason=reason,
                 message=msg, attempt=status.attempt, time=now,
             )  # fmt: skip
-        if obs.nodes is not None and p.node and p.node not in obs.nodes and p.phase not in FINISHED:
+        if obs.nodes is not None and p.node and p.node not in obs.nodes and p.phase not in POD_FINISHED:
             return FailureInfo(
                 pod=p.name, node=p.node, node_rank=p.index, reason="NodeLost",
                 message=f"node {p.node} no longer exists", attempt=status.attempt, time=now,
             )  # fmt: skip
-        if p.deleting and p.phase not in FINISHED:
+        if p.deleting and p.phase not in POD_FINISHED:
             return FailureInfo(
                 pod=p.name, node=p.node, node_rank=p.index, reason="PodDeleted",
                 message="pod is being deleted (eviction, preemption or a user)", attempt=status.attempt, time=now,
             )  # fmt: skip
-    if status.phase in ("Starting", "Running"):
+    if status.phase in (Phase.STARTING, Phase.RUNNING):
         present = {p.index for p in current}
         missing = sorted(set(range(job.spec.nodes)) - present)
         if missing:
@@ -167,10 +175,10 @@ def find_failure(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs:
 
 def hang(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime) -> FailureInfo | None:
     timeout = job.spec.failure_policy.hang_timeout_seconds
-    if not timeout or status.phase != "Running":
+    if not timeout or status.phase != Phase.RUNNING:
         return None
-    last = parse_time(status.progress.updated_at if status.progress else None) or parse_time(
-        next((c.last_transition_time for c in status.conditions if c.type == "Running"), None)
+    last = parse_iso(status.progress.updated_at if status.progress else None) or parse_iso(
+        next((c.last_transition_time for c in status.conditions if c.type == ConditionType.RUNNING), None)
     )
     if last and (now - last).total_seconds() > timeout:
         return FailureInfo(
@@ -197,29 +205,29 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     if status.attempt == 0:  # first sight of the job
         status.attempt = 1
         status.start_time = status.start_time or ts
-        set_phase(status, "Pending", "Created", "creating pods", ts)
-        set_condition(status, "Created", True, "Created", "job accepted", ts)
+        set_phase(status, Phase.PENDING, "Created", "creating pods", ts)
+        set_condition(status, ConditionType.CREATED, True, "Created", "job accepted", ts)
     current = [p for p in obs.pods if p.attempt == status.attempt]
     stale = [p for p in obs.pods if p.attempt != status.attempt]
 
-    _merge_progress(status, obs.progress)
+    _merge_report(plan, obs.progress)
 
     if spec.run_policy.suspend:
         plan.delete = [p.name for p in obs.pods if not p.deleting]
         plan.grace_seconds = grace["suspend"]
-        if status.phase != "Suspended":
+        if status.phase != Phase.SUSPENDED:
             plan.events.append(("Normal", "Suspended", "deleting pods; the trainer checkpoints on SIGTERM"))
-        set_phase(status, "Suspended", "Suspended", "suspended: pods deleted, resume by setting suspend false", ts)
+        set_phase(status, Phase.SUSPENDED, "Suspended", "suspended: pods deleted, resume by setting suspend false", ts)
         set_ready(status, 0, spec.nodes)
         return plan
-    if status.phase == "Suspended":  # resumed: a fresh attempt with a fresh rendezvous
+    if status.phase == Phase.SUSPENDED:  # resumed: a fresh attempt with a fresh rendezvous
         status.attempt += 1
-        set_phase(status, "Pending", "Resumed", "resuming from the newest checkpoint", ts)
+        set_phase(status, Phase.PENDING, "Resumed", "resuming from the newest checkpoint", ts)
         plan.events.append(("Normal", "Resumed", f"starting attempt {status.attempt}"))
         current, stale = [], list(obs.pods)
 
     deadline = spec.run_policy.active_deadline_seconds
-    started = parse_time(status.start_time)
+    started = parse_iso(status.start_time)
     if deadline and started and (now - started).total_seconds() > deadline:
         return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
 
@@ -231,13 +239,13 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     plan.delete = [p.name for p in stale if not p.deleting]
     plan.grace_seconds = grace["restart"]
     if stale:
-        set_phase(status, status.phase or "Pending", "WaitingForOldPods", "waiting for the previous pods to go", ts)
+        set_phase(status, status.phase or Phase.PENDING, "WaitingForOldPods", "waiting for the previous pods to go", ts)
         return plan
 
     if current and all(p.phase == "Succeeded" for p in current) and len(current) == spec.nodes:
         status.completion_time = ts
         set_ready(status, 0, spec.nodes)
-        set_phase(status, "Succeeded", "Completed", f"all {spec.nodes} nodes finished", ts)
+        set_phase(status, Phase.SUCCEEDED, "Completed", f"all {spec.nodes} nodes finished", ts)
         plan.events.append(("Normal", "Succeeded", f"training finished after {status.restarts} restarts"))
         return plan
 
@@ -248,24 +256,32 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     if plan.create and not current:
         plan.events.append(("Normal", "Creating", f"creating {spec.nodes} pods for attempt {status.attempt}"))
     if len(running) == spec.nodes:
-        if status.phase != "Running":
+        if status.phase != Phase.RUNNING:
             plan.events.append(("Normal", "Running", f"all {spec.nodes} nodes running (attempt {status.attempt})"))
-        set_phase(status, "Running", "AllNodesRunning", f"attempt {status.attempt}: training", ts)
+        set_phase(status, Phase.RUNNING, "AllNodesRunning", f"attempt {status.attempt}: training", ts)
     else:
-        set_phase(status, "Starting", "PodsStarting", f"{len(running)}/{spec.nodes} nodes running", ts)
+        set_phase(status, Phase.STARTING, "PodsStarting", f"{len(running)}/{spec.nodes} nodes running", ts)
     return plan
 
 
-def _merge_progress(status: ShardedTrainingJobStatus, report: dict[str, Any] | None) -> None:
-    if not report or report.get("attempt", status.attempt) != status.attempt:
+def _merge_report(plan: Plan, report: ProgressReport | None) -> None:
+    """Rank 0's latest report of the current attempt: its progress, and its events not reported yet."""
+    status = plan.status
+    if report is None or report.attempt != status.attempt:
         return
     status.progress = Progress(
-        step=report.get("step", 0), total_steps=report.get("totalSteps"), loss=report.get("loss"),
-        tokens_per_second=report.get("tokensPerSecond"), mfu=report.get("mfu"), updated_at=report.get("updatedAt"),
+        step=report.step, total_steps=report.total_steps, loss=report.loss, tokens_per_second=report.tokens_per_second,
+        mfu=report.mfu, updated_at=report.updated_at,
     )  # fmt: skip
-    ck = report.get("lastCheckpoint")
-    if ck:
-        status.last_checkpoint = CheckpointStatus(step=ck["step"], path=ck["path"], time=ck.get("time"))
+    if report.last_checkpoint:
+        status.last_checkpoint = CheckpointStatus.model_validate(report.last_checkpoint.model_dump())
+    cursor = status.trainer_events
+    seen = cursor.seq if cursor and (cursor.attempt, cursor.run) == (report.attempt, report.run) else 0
+    new = [e for e in report.events if e.seq > seen]
+    for e in new:
+        plan.events.append((_EVENT_TYPES.get(e.type, "Normal"), e.type.value, e.message))
+    if new:
+        status.trainer_events = TrainerEventCursor(attempt=report.attempt, run=report.run, seq=new[-1].seq)
 
 
 def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace: int, now: dt.datetime) -> Plan:
@@ -286,7 +302,7 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
     plan.grace_seconds = grace
     set_ready(status, 0, job.spec.nodes)
     set_phase(
-        status, "Restarting", failure.reason, f"{detail}; restarting the gang as attempt {status.attempt}", iso(now)
+        status, Phase.RESTARTING, failure.reason, f"{detail}; restarting the gang as attempt {status.attempt}", iso(now)
     )
     plan.events.append(
         ("Warning", "Restarting", f"{detail}; restart {status.restarts}/{job.spec.failure_policy.backoff_limit}")
@@ -298,7 +314,7 @@ def _fail(job, plan: Plan, obs: Observed, reason: str, message: str, now: dt.dat
     status = plan.status
     status.completion_time = iso(now)
     set_ready(status, 0, job.spec.nodes)
-    set_phase(status, "Failed", reason, message, iso(now))
+    set_phase(status, Phase.FAILED, reason, message, iso(now))
     plan.events.append(("Warning", reason, message))
     return _finished(job, plan, obs, now)
 
@@ -309,9 +325,9 @@ def _finished(job: ShardedTrainingJob, plan: Plan, obs: Observed, now: dt.dateti
     if policy == "All":
         plan.delete = [p.name for p in obs.pods if not p.deleting]
     elif policy == "Running":
-        plan.delete = [p.name for p in obs.pods if not p.deleting and p.phase not in FINISHED]
+        plan.delete = [p.name for p in obs.pods if not p.deleting and p.phase not in POD_FINISHED]
     ttl = job.spec.run_policy.ttl_seconds_after_finished
-    done = parse_time(plan.status.completion_time)
+    done = parse_iso(plan.status.completion_time)
     if ttl is not None and done and (now - done).total_seconds() >= ttl:
         plan.delete_job = True
     return plan

@@ -1,17 +1,23 @@
 """The operator's HTTP endpoint: Prometheus /metrics, /healthz, and POST /progress from rank 0 of each job.
 
-Progress reports carry the job's UID, which a pod learns from its own environment; knowing the UID is
-the capability to report for that job, so training pods need no RBAC rights at all.
+A progress report is a `contract.ProgressReport`, validated here with the model the trainer wrote it
+with: a body that is not one (wrong types, unknown keys, out-of-range numbers, another contract
+version) is refused with 400 and the reason. Reports carry the job's UID, which a pod learns from its
+own environment; knowing the UID is the capability to report for that job, so training pods need no
+RBAC rights at all.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+
+from sharded_operator.models import Phase
+from sharded_trainer.config import format_validation_error
+from sharded_trainer.contract import ProgressReport
 
 MAX_TRACKED_JOBS = 10_000
 
@@ -49,24 +55,25 @@ class Metrics:
         counts: dict[str, int] = {}
         for p in self._phases.values():
             counts[p] = counts.get(p, 0) + 1
-        for p in ("Pending", "Starting", "Running", "Restarting", "Succeeded", "Failed", "Suspended"):
-            self.jobs_by_phase.labels(p).set(counts.get(p, 0))
+        for p in Phase:
+            self.jobs_by_phase.labels(p.value).set(counts.get(p, 0))
 
 
 class ProgressStore:
     """The newest report per job UID."""
 
     def __init__(self) -> None:
-        self.latest: dict[str, dict[str, Any]] = {}
+        self.latest: dict[str, tuple[float, ProgressReport]] = {}
 
-    def put(self, report: dict[str, Any]) -> None:
-        if len(self.latest) >= MAX_TRACKED_JOBS and report["uid"] not in self.latest:
-            oldest = min(self.latest, key=lambda k: self.latest[k]["receivedAt"])
+    def put(self, report: ProgressReport) -> None:
+        if len(self.latest) >= MAX_TRACKED_JOBS and report.uid not in self.latest:
+            oldest = min(self.latest, key=lambda k: self.latest[k][0])
             del self.latest[oldest]
-        self.latest[report["uid"]] = {**report, "receivedAt": time.time()}
+        self.latest[report.uid] = (time.time(), report)
 
-    def get(self, uid: str) -> dict[str, Any] | None:
-        return self.latest.get(uid)
+    def get(self, uid: str) -> ProgressReport | None:
+        entry = self.latest.get(uid)
+        return entry[1] if entry else None
 
     def forget(self, uid: str) -> None:
         self.latest.pop(uid, None)
@@ -81,12 +88,9 @@ def make_app(metrics: Metrics, progress: ProgressStore) -> web.Application:
 
     async def post_progress(request: web.Request) -> web.Response:
         try:
-            report = json.loads(await request.read())
-            if not isinstance(report, dict) or not isinstance(report.get("uid"), str) or "step" not in report:
-                raise ValueError("a JSON object with uid and step is required")
-            report["step"] = int(report["step"])
-        except (ValueError, TypeError) as e:
-            return web.json_response({"error": str(e)}, status=400)
+            report = ProgressReport.model_validate_json(await request.read())
+        except ValidationError as e:
+            return web.json_response({"error": format_validation_error(e)}, status=400)
         progress.put(report)
         metrics.progress_reports.inc()
         return web.json_response({"ok": True})

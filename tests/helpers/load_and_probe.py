@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from sharded_trainer.checkpoint import step_dir
 from sharded_trainer.config import load_config
-from sharded_trainer.dist import init_distributed
-from sharded_trainer.parallel import build_strategy
-from sharded_trainer.train import build_model
+from sharded_trainer.model import build_model
+from sharded_trainer.process_group import init_distributed
+from sharded_trainer.strategies import build_strategy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--config")

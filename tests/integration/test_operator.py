@@ -10,8 +10,7 @@ from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
 from jobs import make_job
-from sharded_operator.builders import LABEL_ATTEMPT, LABEL_JOB
-from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_operator.models import GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION
 
 pytestmark = pytest.mark.integration
 

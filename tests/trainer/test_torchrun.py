@@ -15,7 +15,7 @@ import torch
 from helpers.torchrun_jobs import ROOT, Run, run_job, start_agents, wait_agents, write_config
 from sharded_trainer.checkpoint import MARKER, committed_steps, step_dir
 from sharded_trainer.config import load_config
-from sharded_trainer.exitcodes import PREEMPTED
+from sharded_trainer.contract import ExitCode
 from sharded_trainer.export import export_checkpoint, load_exported, load_model_state
 
 pytestmark = pytest.mark.trainer
@@ -104,7 +104,7 @@ def test_sigterm_exits_with_the_preempted_code_after_a_final_checkpoint(tmp_path
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == PREEMPTED, out[-2000:]
+    assert proc.returncode == ExitCode.PREEMPTED, out[-2000:]
     preempted = Run([proc.returncode], out).event("preempted")
     assert preempted["step"] >= 2
     assert committed_steps(tmp_path / "ckpt")[-1] == preempted["step"]

@@ -136,7 +136,7 @@ def test_checkpoint_claim_is_mounted_and_configured():
     pvc = builders.build_pvc(job)
     assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    cfg = TrainerConfig.model_validate(yaml.safe_load(builders.build_config_map(job)["data"]["trainer.yaml"]))
+    cfg = TrainerConfig.model_validate(yaml.safe_load(builders.build_config_map(job, SETTINGS)["data"]["trainer.yaml"]))
     assert cfg.checkpoint.dir == "/checkpoints" and cfg.checkpoint.interval == 7 and cfg.checkpoint.keep_last == 2
     existing = make_job().spec("checkpoint", {"existingClaim": "mine"}).model()
     assert builders.build_pvc(existing) is None

@@ -1,8 +1,8 @@
 """Entry point run by torchrun in every pod: `python -m sharded_trainer --config FILE [key=value ...]`.
 
 `python -m sharded_trainer export --config FILE --checkpoint DIR --out model.safetensors` consolidates a
-checkpoint into one file. Exit codes: 0 done, 2 invalid config (before any process group starts),
-75 stopped by SIGTERM after a final checkpoint.
+checkpoint into one file. Exit codes (`contract.ExitCode`): 0 done, 2 invalid config (before any process
+group starts), 75 stopped by SIGTERM after a final checkpoint.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import argparse
 import os
 import sys
 
-from sharded_trainer import exitcodes
 from sharded_trainer.config import ConfigError, load_config
+from sharded_trainer.contract import CONTRACT_VERSION, ExitCode, PodEnv
+from sharded_trainer.launch import record_exit
+from sharded_trainer.reporting import ReportTarget
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,30 +32,30 @@ def _export_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _report_target() -> dict:
+def _report_target() -> ReportTarget | None:
     """Where rank 0 posts progress: set by the operator in every pod, absent elsewhere."""
-    url = os.environ.get("SHARDED_PROGRESS_URL")
-    identity = {
-        "uid": os.environ.get("SHARDED_JOB_UID", ""),
-        "namespace": os.environ.get("SHARDED_JOB_NAMESPACE", ""),
-        "name": os.environ.get("SHARDED_JOB_NAME", ""),
-        "attempt": int(os.environ.get("SHARDED_ATTEMPT", "0")),
-    }
-    return {"url": url, "identity": identity} if url and identity["uid"] else {}
-
-
-def _record_exit(code: int) -> int:
-    """Leave this rank's exit code where the pod's launcher reads it (torchrun itself only says 1)."""
-    exit_dir = os.environ.get("SHARDED_EXIT_DIR")
-    if exit_dir:
-        rank = os.environ.get("RANK", "0")
-        with open(os.path.join(exit_dir, f"rank-{rank}"), "w") as f:
-            f.write(str(code))
-    return code
+    url, uid = os.environ.get(PodEnv.PROGRESS_URL), os.environ.get(PodEnv.JOB_UID)
+    if not url or not uid:
+        return None
+    version = int(os.environ.get(PodEnv.CONTRACT_VERSION, CONTRACT_VERSION))
+    if version != CONTRACT_VERSION:
+        print(
+            f"warning: the operator reads progress reports of version {version}, this trainer writes "
+            f"{CONTRACT_VERSION}: progress will not reach the job's status until their releases match",
+            file=sys.stderr,
+        )
+        return None
+    return ReportTarget(
+        url=url,
+        uid=uid,
+        namespace=os.environ.get(PodEnv.JOB_NAMESPACE, ""),
+        name=os.environ.get(PodEnv.JOB_NAME, ""),
+        attempt=int(os.environ.get(PodEnv.ATTEMPT, "0")),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _record_exit(_main(sys.argv[1:] if argv is None else argv))
+    return record_exit(_main(sys.argv[1:] if argv is None else argv))
 
 
 def _main(argv: list[str]) -> int:
@@ -63,16 +65,16 @@ def _main(argv: list[str]) -> int:
         cfg = load_config(args.config, None if export else args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return exitcodes.INVALID_CONFIG
+        return ExitCode.INVALID_CONFIG
     if export:
         from sharded_trainer.export import export_checkpoint
 
         out = export_checkpoint(cfg, args.checkpoint, args.out)
         print(f"wrote {out}")
-        return 0
+        return ExitCode.OK
 
     # torch is imported only now, so a bad config fails in a fraction of a second.
-    from sharded_trainer.dist import init_distributed, shutdown
+    from sharded_trainer.process_group import init_distributed, shutdown
     from sharded_trainer.train import train
 
     env = init_distributed(cfg.backend)

@@ -1,7 +1,7 @@
 """Checkpoints on the shared volume: one directory per step, committed by a marker written last.
 
-Layout of `<root>/step-00000040/`: the strategy's state (DCP shards for FSDP, DeepSpeed's files for
-ZeRO-2), `trainer.json` (step, data position, world size), `rng/rank-N.pt`, and finally `COMMITTED`.
+Layout (names in `contract`) of `<root>/step-00000040/`: the strategy's state (its own format),
+`trainer.json` (step, data position, world size), `rng/rank-N.pt`, and finally the `COMMITTED` marker.
 A directory without the marker (a crash mid-save, a pod killed while writing) is never loaded and is
 swept away by the next save, so the newest committed checkpoint always survives.
 """
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,26 +19,29 @@ import torch
 import torch.distributed as dist
 
 from sharded_trainer.config import CheckpointConfig
-from sharded_trainer.dist import DistEnv
-
-MARKER = "COMMITTED"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+from sharded_trainer.contract import MARKER, TRAINER_STATE, iso, parse_step_dir, step_dir_name
+from sharded_trainer.process_group import DistEnv
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
+    return root / step_dir_name(step)
+
+
+def is_committed(directory: Path) -> bool:
+    return (directory / MARKER).is_file()
 
 
 def committed_steps(root: Path) -> list[int]:
     """Steps with a committed checkpoint under `root`, oldest first."""
     if not root.is_dir():
         return []
-    steps = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and (d / MARKER).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    steps = [parse_step_dir(d.name) for d in root.iterdir() if is_committed(d)]
+    return sorted(s for s in steps if s is not None)
+
+
+def newest_committed(root: Path) -> Path | None:
+    steps = committed_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -71,8 +73,12 @@ class Pending:
 class CheckpointManager:
     """`save(step)` decides itself whether to save; `load_latest()` restores the newest committed step."""
 
-    def __init__(self, cfg: CheckpointConfig, env: DistEnv, total_steps: int):
+    def __init__(
+        self, cfg: CheckpointConfig, env: DistEnv, total_steps: int, *, on_commit: Callable[[dict], None] | None = None
+    ):
+        """`on_commit` is told of each committed checkpoint ({step, path, time}) on every rank."""
         self.cfg, self.env, self.total_steps = cfg, env, total_steps
+        self.on_commit = on_commit
         self.root = Path(cfg.dir) if cfg.dir else None
         self.pending: Pending | None = None
         self.last_committed: dict | None = None
@@ -118,9 +124,9 @@ class CheckpointManager:
         assert self.root is not None
         dist.barrier()  # every rank's shards are on disk before the marker says so
         directory = step_dir(self.root, step)
-        committed_at = _now()
+        committed_at = iso()
         if self.env.is_main:
-            _write_atomic(directory / "trainer.json", json.dumps(state, indent=2).encode())
+            _write_atomic(directory / TRAINER_STATE, json.dumps(state, indent=2).encode())
             _fsync_dir(directory)
             marker = {"step": step, "time": committed_at}
             _write_atomic(directory / MARKER, json.dumps(marker).encode())
@@ -128,6 +134,8 @@ class CheckpointManager:
             self._purge()
         self.last_committed = {"step": step, "path": str(directory), "time": committed_at}
         dist.barrier()
+        if self.on_commit:
+            self.on_commit(self.last_committed)
 
     def _purge(self) -> None:
         """Keep the newest `keep_last` committed checkpoints; drop older ones and stale partial saves."""
@@ -136,11 +144,10 @@ class CheckpointManager:
         keep = set(steps[-self.cfg.keep_last :])
         newest = steps[-1] if steps else -1
         for d in self.root.iterdir():
-            m = _STEP_DIR.match(d.name)
-            if not m:
+            s = parse_step_dir(d.name)
+            if s is None:
                 continue
-            s = int(m.group(1))
-            committed = (d / MARKER).is_file()
+            committed = is_committed(d)
             if (committed and s not in keep) or (not committed and s < newest):
                 shutil.rmtree(d, ignore_errors=True)
 
@@ -149,20 +156,15 @@ class CheckpointManager:
         if not self.enabled or not self.cfg.resume:
             return None
         assert self.root is not None
-        steps = committed_steps(self.root)
-        if not steps:
+        directory = newest_committed(self.root)
+        if directory is None:
             return None
-        directory = step_dir(self.root, steps[-1])
         strategy.load(directory)
-        state = json.loads((directory / "trainer.json").read_text())
+        state = json.loads((directory / TRAINER_STATE).read_text())
         rng = directory / "rng" / f"rank-{self.env.rank}.pt"
         # RNG streams are per rank: restore them only when the world is the same shape.
         if state.get("world") == self.env.world and rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))
         committed_at = json.loads((directory / MARKER).read_text()).get("time")
-        self.last_committed = {"step": steps[-1], "path": str(directory), "time": committed_at}
+        self.last_committed = {"step": state["step"], "path": str(directory), "time": committed_at}
         return state
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

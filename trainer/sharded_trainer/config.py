@@ -5,30 +5,16 @@ from __future__ import annotations
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-# Environment variables torchrun and the operator own; a user value would break the rendezvous.
-RESERVED_ENV = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-)
-RESERVED_ENV_PREFIX = "PET_"
+from sharded_trainer.rules import At, Has, Rule, Ruled, RuleViolation
 
 
-class Model(BaseModel):
-    """Base for every config and API model: camelCase on the wire, unknown keys rejected."""
+class Model(Ruled):
+    """Base for every config and API model: camelCase on the wire, unknown keys rejected, `rules` checked."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True)
-
-
-_TOKENS_NEED_PATH = "path is required when source is 'tokens': give the token file's path"
 
 
 class ModelConfig(Model):
@@ -47,13 +33,14 @@ class ModelConfig(Model):
 class DataConfig(Model):
     """Where training tokens come from."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {"rule": "self.source != 'tokens' || has(self.path)", "message": _TOKENS_NEED_PATH}
-            ]
-        }
-    )
+    rules = (
+        Rule(
+            "path", "is required when source is 'tokens': give the token file's path",
+            At("source").ne("tokens") | Has("path"),
+            good=({"source": "tokens", "path": "/data/tokens.bin"}, {"source": "synthetic"}),
+            bad=({"source": "tokens"},),
+        ),
+    )  # fmt: skip
 
     source: Literal["synthetic", "learnable", "tokens"] = Field(
         "learnable",
@@ -63,12 +50,6 @@ class DataConfig(Model):
     path: str | None = Field(None, description="Pre-tokenized token file, required when source is `tokens`.")
     dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of the token file.")
     seed: int = Field(1234, description="Seed of the synthetic generators and of the sampling order.")
-
-    @model_validator(mode="after")
-    def _path_for_tokens(self) -> DataConfig:
-        if self.source == "tokens" and not self.path:
-            raise ValueError(_TOKENS_NEED_PATH)
-        return self
 
 
 class OptimizerConfig(Model):
@@ -168,24 +149,32 @@ class CheckpointConfig(CheckpointPolicy):
 class TrainerConfig(TrainingSpec):
     """The whole config `python -m sharded_trainer --config FILE` reads."""
 
+    # The job spec holds these fields too (precision under `trainer`) and checks them at admission.
+    rules = (
+        Rule(
+            "precision", "fp16 needs a loss scaler that FSDP2 does not provide: use bf16, or strategy.type zero2",
+            At("strategy.type").eq("fsdp").implies(At("precision").ne("fp16")),
+            good=({"precision": "fp16", "strategy": {"type": "zero2"}}, {"precision": "bf16"}),
+            bad=({"precision": "fp16", "strategy": {"type": "fsdp"}}, {"precision": "fp16"}),
+        ),
+        Rule(
+            "checkpoint.async", "asynchronous saves are supported for strategy.type fsdp only: set it to false",
+            At("checkpoint.async").implies(At("strategy.type").eq("fsdp")),
+            good=({"checkpoint": {"async": True}}, {"strategy": {"type": "zero2"}, "checkpoint": {"async": False}}),
+            bad=({"checkpoint": {"async": True}, "strategy": {"type": "zero2"}},),
+        ),
+    )  # fmt: skip
+
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="FSDP2 or ZeRO-2.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="Process-group backend; auto is nccl with GPUs, gloo without."
     )
     progress_file: str | None = Field(
-        None, description="Rank 0 rewrites this JSON file with its latest progress (read by the operator)."
+        None,
+        description="Rank 0 rewrites this JSON file with its latest progress, for local runs and tools; in a pod, "
+        "progress reaches the operator over HTTP instead.",
     )
-
-    @model_validator(mode="after")
-    def _cross_field(self) -> TrainerConfig:
-        if self.strategy.type == "fsdp" and self.precision == "fp16":
-            raise ValueError(
-                "precision: fp16 needs a loss scaler that FSDP2 does not provide; use bf16, or strategy.type zero2"
-            )
-        if self.checkpoint.async_save and self.strategy.type != "fsdp":
-            raise ValueError("checkpoint.async is supported for strategy.type fsdp only; set it to false for zero2")
-        return self
 
 
 class ConfigError(ValueError):
@@ -197,6 +186,10 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
+        violation = (e.get("ctx") or {}).get("error")
+        if isinstance(violation, RuleViolation):  # each rule names its own field under the model's
+            lines += [f"{prefix}{'.'.join(p for p in (loc, r.field) if p)}: {r.message}" for r in violation.broken]
+            continue
         got = "" if e["type"] in ("missing", "value_error") else f" (got {e.get('input')!r})"
         msg = e["msg"].removeprefix("Value error, ")
         where = f"{prefix}{loc}: " if loc else prefix

@@ -1,4 +1,4 @@
-"""Consolidate a sharded checkpoint (FSDP/DCP or DeepSpeed ZeRO-2) into one safetensors file."""
+"""Consolidate a sharded checkpoint into one safetensors file; the strategy that wrote it reads it back."""
 
 from __future__ import annotations
 
@@ -6,37 +6,26 @@ from pathlib import Path
 
 import torch
 
-from sharded_trainer.checkpoint import committed_steps, step_dir
+from sharded_trainer.checkpoint import is_committed, newest_committed
 from sharded_trainer.config import TrainerConfig
+from sharded_trainer.model import build_model
+from sharded_trainer.strategies import strategy_class
 
 
 def resolve_step_dir(path: str) -> Path:
+    """`path` itself if it is a committed checkpoint, else the newest committed checkpoint under it."""
     p = Path(path)
-    if (p / "COMMITTED").is_file():
+    if is_committed(p):
         return p
-    steps = committed_steps(p)
-    if not steps:
+    newest = newest_committed(p)
+    if newest is None:
         raise FileNotFoundError(f"no committed checkpoint in {p}")
-    return step_dir(p, steps[-1])
+    return newest
 
 
 def load_model_state(cfg: TrainerConfig, directory: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model state dict, in one process, without a process group."""
-    from sharded_trainer.train import build_model
-
-    model = build_model(cfg)
-    if cfg.strategy.type == "fsdp":
-        import torch.distributed.checkpoint as dcp
-
-        state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)  # reads only the model's keys
-        return state["model"]
-    # ZeRO-2 keeps the full fp32 module weights in rank 0's model-states file.
-    files = sorted((directory / "zero2").glob("mp_rank_00_model_states.pt"))
-    if not files:
-        raise FileNotFoundError(f"no DeepSpeed model states under {directory / 'zero2'}")
-    module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-    return {k: v.float() for k, v in module.items()}
+    return strategy_class(cfg.strategy.type).full_model_state(build_model(cfg), directory)
 
 
 def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str) -> Path:
@@ -55,8 +44,6 @@ def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str) -> Path:
 def load_exported(cfg: TrainerConfig, path: str) -> torch.nn.Module:
     """A plain single-process model with the exported weights (the inverse of export_checkpoint)."""
     from safetensors.torch import load_file
-
-    from sharded_trainer.train import build_model
 
     model = build_model(cfg)
     missing, unexpected = model.load_state_dict(load_file(path), strict=False)

@@ -1,6 +1,6 @@
 """A pod's entry point: validate the config, wait for the rendezvous endpoint, run torchrun, report.
 
-    python -m sharded_trainer.launch --config /etc/sharded/trainer.yaml [-- script.py args...]
+    python -m sharded_trainer.launch --config FILE [-- script.py args...]
 
 torchrun reads its arguments from the PET_* variables the operator sets. Before starting it, every
 node waits (bounded) until the rendezvous host resolves and, on nodes other than 0, accepts TCP
@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from sharded_trainer import exitcodes
 from sharded_trainer.config import ConfigError, load_config
+from sharded_trainer.contract import ExitCode, PodEnv, WorkerEnv
 
 
 def log(msg: str) -> None:
@@ -55,12 +55,22 @@ def wait_for_endpoint(host: str, port: int, *, connect: bool, timeout: float, in
         time.sleep(interval)
 
 
+def record_exit(code: int) -> int:
+    """In a worker: leave this rank's exit code where the launcher reads it (torchrun itself only says 1)."""
+    exit_dir = os.environ.get(PodEnv.EXIT_DIR)
+    if exit_dir:
+        rank = os.environ.get(WorkerEnv.RANK, "0")
+        Path(exit_dir, f"rank-{rank}").write_text(str(code))
+    return code
+
+
 def exit_code(torchrun_rc: int, exit_dir: Path) -> int:
+    """The pod's exit code: the workers' own where they agree, else torchrun's."""
     codes = [int(p.read_text() or "1") for p in exit_dir.glob("rank-*")]
-    if exitcodes.INVALID_CONFIG in codes:
-        return exitcodes.INVALID_CONFIG
-    if codes and all(c == exitcodes.PREEMPTED for c in codes):
-        return exitcodes.PREEMPTED
+    if ExitCode.INVALID_CONFIG in codes:
+        return ExitCode.INVALID_CONFIG
+    if codes and all(c == ExitCode.PREEMPTED for c in codes):
+        return ExitCode.PREEMPTED
     return torchrun_rc
 
 
@@ -77,22 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         load_config(args.config)
     except ConfigError as e:
         log(f"error: {e}")
-        return exitcodes.INVALID_CONFIG
+        return ExitCode.INVALID_CONFIG
 
-    endpoint = os.environ.get("PET_RDZV_ENDPOINT", "")
-    node_rank = int(os.environ.get("PET_NODE_RANK", "0"))
-    timeout = float(os.environ.get("SHARDED_RDZV_TIMEOUT", "900"))
+    endpoint = os.environ.get(PodEnv.RDZV_ENDPOINT, "")
+    node_rank = int(os.environ.get(PodEnv.NODE_RANK, "0"))
+    timeout = float(os.environ.get(PodEnv.RDZV_TIMEOUT, "900"))
     if endpoint:
         host, _, port = endpoint.rpartition(":")
         # Node 0 hosts the c10d store: it needs its own name to resolve (torchrun checks whether the
         # endpoint is local); the others also need the store to accept connections.
         if not wait_for_endpoint(host, int(port), connect=node_rank != 0, timeout=timeout):
-            return exitcodes.RENDEZVOUS_UNREACHABLE
+            return ExitCode.RENDEZVOUS_UNREACHABLE
         log(f"rendezvous endpoint {endpoint} reachable; starting torchrun as node {node_rank}")
 
     target = command or ["-m", "sharded_trainer", "--config", args.config]
     with tempfile.TemporaryDirectory(prefix="sharded-exit-") as exit_dir:
-        env = {**os.environ, "SHARDED_EXIT_DIR": exit_dir}
+        env = {**os.environ, PodEnv.EXIT_DIR: exit_dir}
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *target], env=env)
 
         def forward(signum, _frame):  # the kubelet's SIGTERM: torchrun passes it on to the workers

@@ -1,14 +1,10 @@
-"""Throughput, MFU and memory as JSON lines; rank 0's progress file for the operator."""
+"""Throughput, MFU and memory as JSON lines on stdout (`METRICS {...}`), for people and log scrapers."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import torch
 
@@ -63,44 +59,3 @@ def emit(record: dict) -> None:
     """One JSON line on stdout, tagged so log scrapers can find it among other output."""
     sys.stdout.write("METRICS " + json.dumps(record) + "\n")
     sys.stdout.flush()
-
-
-class ProgressFile:
-    """Rank 0's progress: rewritten atomically to a file and, in a pod, posted to the operator.
-
-    The post runs on a background thread and is skipped while the previous one is in flight, so a slow
-    or unreachable operator never stalls training.
-    """
-
-    def __init__(self, path: str | None, total_steps: int, url: str | None = None, identity: dict | None = None):
-        self.path = Path(path) if path else None
-        self.total_steps = total_steps
-        self.url, self.identity = url, identity or {}
-        self.state: dict = {"totalSteps": total_steps}
-        self._posting: threading.Thread | None = None
-
-    def update(self, **fields) -> None:
-        self.state.update({k: v for k, v in fields.items() if v is not None})
-        self.state["updatedAt"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(self.state))
-            os.replace(tmp, self.path)
-        if self.url and not (self._posting and self._posting.is_alive()):
-            body = json.dumps({**self.identity, **self.state}).encode()
-            self._posting = threading.Thread(target=self._post, args=(body,), daemon=True)
-            self._posting.start()
-
-    def _post(self, body: bytes) -> None:
-        assert self.url
-        req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(req, timeout=5).close()
-        except OSError as e:  # the operator restarting or unreachable: the next update tries again
-            print(f"progress report to {self.url} failed: {e}", file=sys.stderr)
-
-    def flush(self, timeout: float = 5) -> None:
-        """Wait for the last post, so a final report is not lost when the process exits."""
-        if self._posting:
-            self._posting.join(timeout)

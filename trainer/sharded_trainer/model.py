@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharded_trainer.config import TrainerConfig
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -150,3 +152,11 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+def build_model(cfg: TrainerConfig) -> Transformer:
+    """The configured network with its initial weights, the same on every rank before sharding."""
+    args = model_args(cfg.model.preset, cfg.model.vocab_size, cfg.seq_len)
+    model = Transformer(args)
+    model.init_weights(cfg.seed)
+    return model

@@ -8,14 +8,16 @@ import threading
 import torch
 import torch.distributed as dist
 
-from sharded_trainer import exitcodes
 from sharded_trainer.checkpoint import CheckpointManager
 from sharded_trainer.config import TrainerConfig
+from sharded_trainer.contract import ExitCode, TrainerEventType
 from sharded_trainer.data import ShardedLoader, TokenSource
-from sharded_trainer.dist import DistEnv, any_true
-from sharded_trainer.metrics import Meter, ProgressFile, emit
-from sharded_trainer.model import Transformer, model_args
-from sharded_trainer.parallel import build_strategy, mean_over_ranks
+from sharded_trainer.metrics import Meter, emit
+from sharded_trainer.model import build_model
+from sharded_trainer.parallel import mean_over_ranks
+from sharded_trainer.process_group import DistEnv, any_true
+from sharded_trainer.reporting import ProgressReporter, ReportTarget
+from sharded_trainer.strategies import build_strategy
 
 
 class StopRequest:
@@ -27,15 +29,8 @@ class StopRequest:
             signal.signal(sig, lambda *_: self.requested.set())
 
 
-def build_model(cfg: TrainerConfig) -> Transformer:
-    args = model_args(cfg.model.preset, cfg.model.vocab_size, cfg.seq_len)
-    model = Transformer(args)
-    model.init_weights(cfg.seed)  # same weights on every rank before sharding
-    return model
-
-
-def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
-    """Train until cfg.steps or SIGTERM. `report` ({url, identity}) posts rank 0's progress to the operator."""
+def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) -> int:
+    """Train until cfg.steps or SIGTERM. Rank 0 reports progress and events to `target` (the operator)."""
     stop = StopRequest()
     model = build_model(cfg)
     args = model.args
@@ -44,12 +39,12 @@ def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
         TokenSource(cfg.data, args.vocab_size, cfg.seq_len), micro_batch=cfg.micro_batch_size, rank=env.rank,
         world=env.world,
     )  # fmt: skip
-    ckpt = CheckpointManager(cfg.checkpoint, env, cfg.steps)
-    report = report or {}
-    progress = ProgressFile(
-        cfg.progress_file if env.is_main else None, cfg.steps,
-        url=report.get("url") if env.is_main else None, identity=report.get("identity"),
-    )  # fmt: skip
+    report = ProgressReporter(
+        target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
+    )
+    ckpt = CheckpointManager(cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed)
+    if cfg.backend == "auto":
+        report.event(TrainerEventType.SETTING_CHOSEN, f"backend auto: {env.backend} on {env.device.type}")
 
     step = 0
     resumed = ckpt.load_latest(strategy)
@@ -58,7 +53,11 @@ def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
         loader.load_state_dict(resumed["data"])
         if env.is_main:
             emit({"event": "resumed", "step": step, "from_world": resumed["world"], "world": env.world})
-    progress.update(step=step, lastCheckpoint=ckpt.last_committed)
+        report.event(
+            TrainerEventType.RESUMED, f"resumed at step {step} (world {resumed['world']} -> {env.world})",
+            step=step, checkpoint=ckpt.last_committed,
+        )  # fmt: skip
+    report.update(step=step, last_checkpoint=ckpt.last_committed)
     meter = Meter(args, cfg.seq_len, env.device, env.world)
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.seq_len
 
@@ -75,18 +74,18 @@ def train(cfg: TrainerConfig, env: DistEnv, report: dict | None = None) -> int:
             rec = meter.flush(step, last_loss, strategy.current_lr(), norm)
             if env.is_main:
                 emit(rec)
-            progress.update(step=step, loss=rec["loss"], tokensPerSecond=rec["tokens_per_s"], mfu=rec["mfu"])
+            report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])
         preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
         state = {"data": loader.state_dict(), "loss": last_loss}
-        if ckpt.save(step, strategy, state, force=preempted):
-            progress.update(lastCheckpoint=ckpt.last_committed)  # an async save shows once committed
+        ckpt.save(step, strategy, state, force=preempted)
     ckpt.wait()
-    progress.update(step=step, lastCheckpoint=ckpt.last_committed)
+    report.update(step=step, last_checkpoint=ckpt.last_committed)
     if env.is_main:
         emit({"event": "preempted" if preempted else "finished", "step": step, "checkpoint": ckpt.last_committed})
-    progress.flush()
+    report.flush()
     if preempted:
-        return exitcodes.PREEMPTED
+        return ExitCode.PREEMPTED
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
-    return 0
+    return ExitCode.OK
+

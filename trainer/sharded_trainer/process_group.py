@@ -1,4 +1,4 @@
-"""Process-group setup: nccl with GPUs (device from LOCAL_RANK), gloo on CPU; timeouts; clean shutdown."""
+"""This process's place in the job: the process group (nccl with GPUs, gloo on CPU), its rank and device."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from sharded_trainer.contract import PodEnv, WorkerEnv
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,15 @@ def resolve_backend(requested: str) -> str:
 
 def init_distributed(requested_backend: str, timeout_s: float = 600) -> DistEnv:
     """Join the process group torchrun set up (or a world of one when run directly)."""
-    if "RANK" not in os.environ:  # plain `python -m sharded_trainer`: a world of one
+    if WorkerEnv.RANK not in os.environ:  # plain `python -m sharded_trainer`: a world of one
         os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-        )
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            {
+                WorkerEnv.RANK: "0", WorkerEnv.LOCAL_RANK: "0", WorkerEnv.WORLD_SIZE: "1",
+                PodEnv.MASTER_ADDR: "127.0.0.1", PodEnv.MASTER_PORT: str(_free_port()),
+            }
+        )  # fmt: skip
+    rank, world = int(os.environ[WorkerEnv.RANK]), int(os.environ[WorkerEnv.WORLD_SIZE])
+    local_rank = int(os.environ.get(WorkerEnv.LOCAL_RANK, "0"))
     backend = resolve_backend(requested_backend)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)

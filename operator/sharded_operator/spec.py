@@ -1,0 +1,284 @@
+"""The parts of a ShardedTrainingJob's spec: resources, networking, storage, policies, scheduling, pod additions.
+
+Each model's fields document themselves in the CRD; each model's `rules` become its CEL validations
+and are checked again in Python (see `sharded_trainer.rules`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from sharded_operator.quantity import QuantityError, quantity_value
+from sharded_trainer.config import CheckpointPolicy, Model
+from sharded_trainer.contract import RESERVED_ENV, RESERVED_ENV_PREFIX, ExitCode
+from sharded_trainer.rules import At, Each, Has, Rule
+
+
+def _immutable(what: str) -> dict:
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": f"{what} is immutable after creation"}]}
+
+
+# One rule for every quantity field, in both worlds: the API server's isQuantity and our port of it.
+_QUANTITY_MESSAGE = "must be a non-negative Kubernetes quantity such as 16Gi, 500m or 4"
+_QUANTITY_CEL = "type(self) == int ? self >= 0 : (isQuantity(self) && quantity(self).sign() >= 0)"
+
+
+def _quantity_field(description: str, default: str | None = None) -> Any:
+    return Field(
+        default,
+        description=description,
+        json_schema_extra={
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [{"rule": _QUANTITY_CEL, "message": _QUANTITY_MESSAGE}],
+        },
+    )
+
+
+def _check_quantity(v: int | str) -> int | str:
+    try:
+        if quantity_value(v) >= 0:
+            return v
+    except QuantityError:
+        pass
+    raise ValueError(_QUANTITY_MESSAGE)
+
+
+Quantity = Annotated[int | str, AfterValidator(_check_quantity)]
+
+
+class ApiModel(Model):
+    """Base of the CRD models; same camelCase and strictness as the trainer config."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Resources(ApiModel):
+    """Per-pod compute resources (one pod per node)."""
+
+    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs requested by each pod; 0 runs on CPU with gloo.")
+    gpu_resource_name: str = Field(
+        "nvidia.com/gpu", max_length=253, description="Extended resource name of a GPU on your nodes."
+    )
+    cpu: Quantity | None = _quantity_field("CPU request and limit of each pod, e.g. 32 or 1500m.")
+    memory: Quantity | None = _quantity_field("Memory request and limit of each pod, e.g. 512Gi.")
+
+
+class InfiniBand(ApiModel):
+    """RDMA networking for NCCL across nodes."""
+
+    enabled: bool = Field(False, description="Request RDMA devices and set NCCL's InfiniBand variables.")
+    resource_name: str = Field(
+        "rdma/ib", max_length=253, description="Extended resource the RDMA device plugin advertises."
+    )
+    resource_count: int = Field(1, ge=1, le=64, description="RDMA devices requested per pod.")
+    hcas: str | None = Field(
+        None, max_length=512, description="NCCL_IB_HCA value, e.g. mlx5_0,mlx5_1 (unset lets NCCL choose)."
+    )
+    gid_index: int | None = Field(None, ge=0, le=255, description="NCCL_IB_GID_INDEX (RoCE: usually 3).")
+
+
+class Network(ApiModel):
+    """Collective backend and pod networking."""
+
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto: nccl when gpusPerNode > 0, gloo otherwise."
+    )
+    infiniband: InfiniBand = Field(default_factory=InfiniBand, description="InfiniBand / RoCE profile.")
+    host_network: bool = Field(
+        False, description="Run pods in the node's network namespace (dnsPolicy ClusterFirstWithHostNet)."
+    )
+    socket_interface: str | None = Field(
+        None, max_length=64, description="NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, e.g. eth0 or ^lo,docker."
+    )
+
+
+class Rendezvous(ApiModel):
+    """torchrun's c10d rendezvous, hosted by node 0."""
+
+    port: int = Field(29400, ge=1024, le=65535, description="Rendezvous TCP port on node 0.")
+    timeout_seconds: int = Field(
+        900, ge=30, le=86400, description="How long agents wait for every node to join before failing."
+    )
+
+
+class Elastic(ApiModel):
+    """Elastic membership: the gang may run with between minNodes and maxNodes nodes."""
+
+    rules = (
+        Rule(
+            "minNodes", "must not exceed maxNodes", At("minNodes").le(At("maxNodes")),
+            good=({"minNodes": 2, "maxNodes": 2},), bad=({"minNodes": 3, "maxNodes": 2},),
+        ),
+    )  # fmt: skip
+    min_nodes: int = Field(..., ge=1, le=1024, description="Fewest nodes training may continue with.")
+    max_nodes: int = Field(..., ge=1, le=1024, description="Most nodes the job may use.")
+    max_restarts: int = Field(3, ge=0, le=100, description="torchrun's in-place restarts before the pod fails.")
+
+
+class VolumeClaim(ApiModel):
+    """A PersistentVolumeClaim the operator creates for checkpoints."""
+
+    size: Quantity = _quantity_field("Requested storage, e.g. 500Gi.", default="10Gi")
+    storage_class_name: str | None = Field(None, max_length=253, description="StorageClass; unset uses the default.")
+    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]] = Field(
+        default_factory=lambda: ["ReadWriteMany"],
+        min_length=1,
+        max_length=3,
+        description="Multi-node jobs need ReadWriteMany: every node writes its own shards.",
+    )
+    retain_on_delete: bool = Field(True, description="Keep the claim (and the checkpoints) when the job is deleted.")
+
+
+class Checkpoint(CheckpointPolicy):
+    """Checkpoint storage (an existing claim or one to create) plus the trainer's save policy."""
+
+    rules = (
+        Rule(
+            "", "set exactly one of existingClaim (a PVC you made) or volumeClaim (one to create)",
+            Has("existingClaim").ne(Has("volumeClaim")),
+            good=({"existingClaim": "mine", "volumeClaim": None},),
+            bad=({"existingClaim": "mine"}, {"volumeClaim": None}),
+        ),
+    )  # fmt: skip
+    existing_claim: str | None = Field(
+        None,
+        max_length=253,
+        description="Name of an existing PersistentVolumeClaim to store checkpoints in.",
+        json_schema_extra=_immutable("checkpoint.existingClaim"),
+    )
+    volume_claim: VolumeClaim | None = Field(
+        None,
+        description="Create a PVC named <job>-checkpoints.",
+        json_schema_extra=_immutable("checkpoint.volumeClaim"),
+    )
+    mount_path: str = Field(
+        "/checkpoints", pattern=r"^/.*", max_length=1024, description="Where the claim is mounted in each pod."
+    )
+    sub_path: str | None = Field(
+        None, max_length=1024, description="Directory inside the claim; default is the job's name."
+    )
+
+
+ExitCodeValue = Annotated[int, Field(ge=0, le=255)]
+
+
+class FailurePolicy(ApiModel):
+    """When a failure restarts the gang and when it ends the job."""
+
+    rules = (
+        Rule(
+            "retryableExitCodes", "an exit code cannot be both retryable and permanent",
+            Has("retryableExitCodes").implies(At("permanentExitCodes").disjoint(At("retryableExitCodes"))),
+            good=({"retryableExitCodes": [1, 137]}, {"permanentExitCodes": [1], "retryableExitCodes": [2]}),
+            bad=({"retryableExitCodes": [1, 2]}, {"permanentExitCodes": [1, 7], "retryableExitCodes": [7]}),
+        ),
+    )  # fmt: skip
+    backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
+    permanent_exit_codes: list[ExitCodeValue] = Field(
+        [int(ExitCode.INVALID_CONFIG)],  # pydantic copies mutable defaults per instance; a literal lands in the CRD
+        max_length=256,
+        description="Exit codes that fail the job at once (2: invalid trainer config).",
+    )
+    retryable_exit_codes: list[ExitCodeValue] | None = Field(
+        None,
+        max_length=256,
+        description="If set, only these exit codes (and evictions / node loss) restart the gang; others fail it.",
+    )
+    hang_timeout_seconds: int | None = Field(
+        None, ge=60, le=604800, description="Restart the gang when training reports no progress for this long."
+    )
+
+
+class RunPolicy(ApiModel):
+    """Job-level lifetime controls, as in Kubernetes Jobs."""
+
+    suspend: bool = Field(False, description="Delete the pods (after a final checkpoint) and keep the job.")
+    active_deadline_seconds: int | None = Field(
+        None, ge=1, description="Fail the job when it has been active this long."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the job this long after it succeeded or failed."
+    )
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        "Running", description="Pods deleted when the job ends: None, Running (still running ones) or All."
+    )
+
+
+class Gang(ApiModel):
+    """All-or-nothing scheduling through a PodGroup."""
+
+    enabled: bool = Field(False, description="Create a PodGroup so the gang is scheduled all at once.")
+    provider: Literal["volcano", "scheduler-plugins"] = Field(
+        "scheduler-plugins", description="Whose PodGroup API to use."
+    )
+    schedule_timeout_seconds: int = Field(300, ge=1, description="scheduler-plugins: give up after this long.")
+
+
+class Scheduling(ApiModel):
+    """Where pods may run."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
+    affinity: dict[str, Any] | None = Field(None, description="Pod affinity (a core/v1 Affinity).")
+    priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
+    scheduler_name: str | None = Field(None, max_length=253, description="Scheduler of the pods.")
+    queue_name: str | None = Field(
+        None, max_length=63, description="Kueue LocalQueue; sets the kueue.x-k8s.io/queue-name label."
+    )
+    gang: Gang = Field(default_factory=Gang, description="Gang scheduling.")
+
+
+class EnvVar(ApiModel):
+    """An environment variable for the trainer container."""
+
+    name: str = Field(..., min_length=1, max_length=256, description="Variable name.")
+    value: str | None = Field(None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(None, description="A core/v1 EnvVarSource.")
+
+
+class PodOverrides(ApiModel):
+    """Additions to every pod of the job."""
+
+    rules = (
+        Rule(
+            "env", f"must not set {RESERVED_ENV_PREFIX}* or {', '.join(RESERVED_ENV)}: the operator sets them for "
+            "the rendezvous",
+            Each(At("env"), "e", lambda e: ~e.field("name").starts_with(RESERVED_ENV_PREFIX)
+                 & ~e.field("name").is_in(list(RESERVED_ENV))),
+            good=({"env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "MY_RANK", "value": "x"}]},),
+            bad=({"env": [{"name": "PET_NNODES", "value": "9"}]}, {"env": [{"name": "MASTER_ADDR", "value": "x"}]}),
+        ),
+    )  # fmt: skip
+
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Extra environment. Rendezvous variables (PET_*, MASTER_ADDR, WORLD_SIZE, ...) are the "
+        "operator's and are refused.",
+    )
+    volumes: list[dict[str, Any]] = Field(default_factory=list, description="Extra core/v1 Volumes.")
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, description="Extra VolumeMounts.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+    service_account_name: str | None = Field(None, max_length=253, description="ServiceAccount of the pods.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        None, description="Image pull policy of the trainer container."
+    )
+
+
+# An int-or-string field: the schema cannot type it, so CEL does what the pydantic type does.
+PROCS_SCHEMA = {
+    "x-kubernetes-int-or-string": True,
+    "x-kubernetes-validations": [
+        {
+            "rule": "type(self) == int ? (self >= 1 && self <= 64) : self == 'auto'",
+            "message": "procsPerNode must be 'auto' or a number from 1 to 64",
+        },
+        {"rule": "self == oldSelf", "message": "procsPerNode is immutable after creation"},
+    ],
+}
+
+

@@ -1,0 +1,206 @@
+"""What the operator and the trainer must agree on, in one torch-free place: both sides import these names.
+
+The pod environment the operator sets and the trainer reads, the names a user may not override, the
+exit codes, where the trainer config is mounted, the checkpoint layout, the time format, and the
+progress report rank 0 posts to the operator (validated there with the same model). Nothing here
+imports torch, kopf or the Kubernetes client: an import-linter contract keeps it so.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from enum import IntEnum, StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.alias_generators import to_camel
+
+# --- the pod environment ------------------------------------------------------------------------
+
+
+class PodEnv(StrEnum):
+    """Variables in every training pod. The operator sets them; the launcher and the trainer read them."""
+
+    # torchrun's own arguments (PET_<ARG>), and MASTER_* for custom scripts
+    NNODES = "PET_NNODES"
+    NPROC_PER_NODE = "PET_NPROC_PER_NODE"
+    NODE_RANK = "PET_NODE_RANK"
+    RDZV_BACKEND = "PET_RDZV_BACKEND"
+    RDZV_ENDPOINT = "PET_RDZV_ENDPOINT"
+    RDZV_ID = "PET_RDZV_ID"
+    RDZV_CONF = "PET_RDZV_CONF"
+    MAX_RESTARTS = "PET_MAX_RESTARTS"
+    MASTER_ADDR = "MASTER_ADDR"
+    MASTER_PORT = "MASTER_PORT"
+    # who this pod trains for, and where it reports
+    JOB_NAME = "SHARDED_JOB_NAME"
+    JOB_NAMESPACE = "SHARDED_JOB_NAMESPACE"
+    JOB_UID = "SHARDED_JOB_UID"
+    ATTEMPT = "SHARDED_ATTEMPT"
+    RDZV_TIMEOUT = "SHARDED_RDZV_TIMEOUT"
+    PROGRESS_URL = "SHARDED_PROGRESS_URL"
+    CONTRACT_VERSION = "SHARDED_CONTRACT_VERSION"
+    POD_NAME = "POD_NAME"
+    NODE_NAME = "NODE_NAME"
+    # set by the launcher for its workers: where each rank leaves its exit code
+    EXIT_DIR = "SHARDED_EXIT_DIR"
+
+
+class WorkerEnv(StrEnum):
+    """Variables torchrun sets for each worker process it starts."""
+
+    WORLD_SIZE = "WORLD_SIZE"
+    RANK = "RANK"
+    LOCAL_RANK = "LOCAL_RANK"
+    NODE_RANK = "NODE_RANK"
+    LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+    GROUP_RANK = "GROUP_RANK"
+
+
+# Variables torchrun and the operator own; a user value would break the rendezvous.
+RESERVED_ENV_PREFIX = "PET_"
+RESERVED_ENV = (PodEnv.MASTER_ADDR.value, PodEnv.MASTER_PORT.value, *(v.value for v in WorkerEnv))
+
+
+def is_reserved_env(name: str) -> bool:
+    return name.startswith(RESERVED_ENV_PREFIX) or name in RESERVED_ENV
+
+
+# --- exit codes and files -----------------------------------------------------------------------
+
+
+class ExitCode(IntEnum):
+    """The trainer's exit codes, as the launcher passes them on to the pod's container status."""
+
+    OK = 0
+    INVALID_CONFIG = 2  # the config failed validation: permanent by default in failurePolicy
+    RENDEZVOUS_UNREACHABLE = 3  # the startup barrier gave up waiting for the rendezvous endpoint
+    PREEMPTED = 75  # stopped by SIGTERM after committing a final checkpoint: resume me
+
+
+CONFIG_DIR = "/etc/sharded"
+CONFIG_FILE = "trainer.yaml"
+DEFAULT_CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
+
+# A checkpoint is the directory <root>/step-<8 digits>; it counts once MARKER exists in it.
+STEP_DIR_PREFIX = "step-"
+_STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d{{8}})$")
+MARKER = "COMMITTED"
+TRAINER_STATE = "trainer.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_DIR_PREFIX}{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a checkpoint directory's name, or None for anything else."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+# --- time ---------------------------------------------------------------------------------------
+
+_ISO_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+ISO_PATTERN = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$"
+
+
+def iso(t: dt.datetime | None = None) -> str:
+    """RFC 3339 in UTC at second precision, as Kubernetes writes times; now when `t` is None."""
+    t = t or dt.datetime.now(dt.UTC)
+    return t.astimezone(dt.UTC).strftime(_ISO_FORMAT)
+
+
+def parse_iso(s: str | None) -> dt.datetime | None:
+    return dt.datetime.strptime(s, _ISO_FORMAT).replace(tzinfo=dt.UTC) if s else None
+
+
+# --- the progress report ------------------------------------------------------------------------
+
+CONTRACT_VERSION = 1
+# Report versions this release reads. A newer trainer talking to an older operator is refused with a
+# message naming these, rather than misread.
+SUPPORTED_VERSIONS = frozenset({1})
+MAX_EVENTS = 32  # newest trainer events a report carries; older ones were sent in earlier reports
+
+IsoTime = Annotated[str, Field(pattern=ISO_PATTERN, max_length=20, description="RFC 3339 time in UTC.")]
+Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]
+Step = Annotated[int, Field(ge=0, le=100_000_000)]
+
+
+class Wire(BaseModel):
+    """camelCase on the wire, unknown keys refused: within one version both sides know every key."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class CheckpointRef(Wire):
+    """A committed checkpoint: its step, its directory and when it was committed."""
+
+    step: Step = Field(..., description="Step the checkpoint holds.")
+    path: str = Field(..., min_length=1, max_length=1024, description="Its directory, as the pods see it.")
+    time: IsoTime | None = Field(None, description="When it was committed.")
+
+
+class TrainerEventType(StrEnum):
+    """What the trainer tells the operator besides progress; each becomes a Kubernetes event."""
+
+    CHECKPOINT_COMMITTED = "CheckpointCommitted"
+    CHECKPOINT_SET_ASIDE = "CheckpointSetAside"  # a checkpoint that cannot be loaded was skipped
+    RESUMED = "Resumed"
+    EXPORT_WRITTEN = "ExportWritten"
+    SETTING_CHOSEN = "SettingChosen"  # an `auto` setting resolved, e.g. the backend
+    INCOMPATIBLE_CHECKPOINT = "IncompatibleCheckpoint"
+
+
+class TrainerEvent(Wire):
+    """One thing that happened in the trainer, numbered so the operator reports it once."""
+
+    seq: int = Field(..., ge=1, le=2**31 - 1, description="Increasing within one trainer run.")
+    type: TrainerEventType = Field(..., description="What happened.")
+    message: str = Field("", max_length=1024, description="Detail for people.")
+    step: Step | None = Field(None, description="Training step it happened at.")
+    checkpoint: CheckpointRef | None = Field(None, description="The checkpoint concerned, if any.")
+    time: IsoTime = Field(..., description="When it happened.")
+
+
+class TrainingProgress(Wire):
+    """Where training stands, as rank 0 sees it."""
+
+    step: Step = Field(..., description="Last completed optimizer step.")
+    total_steps: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(None, description="Steps to train.")
+    loss: Finite | None = Field(None, description="Mean loss over ranks at `step`.")
+    tokens_per_second: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1e13)] | None = Field(
+        None, description="Throughput over all processes."
+    )
+    mfu: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] | None = Field(
+        None, description="Model FLOPs utilisation, 0 to 1."
+    )
+    last_checkpoint: CheckpointRef | None = Field(None, description="Newest committed checkpoint.")
+    updated_at: IsoTime = Field(..., description="When the trainer wrote this (its own clock).")
+
+
+class ProgressReport(TrainingProgress):
+    """What rank 0 posts to the operator: who it is, where training stands, and what happened lately."""
+
+    version: int = Field(CONTRACT_VERSION, description="Contract version the report is written in.")
+    uid: str = Field(..., min_length=1, max_length=64, pattern=r"^[0-9a-zA-Z-]+$", description="The job's UID.")
+    namespace: str = Field(..., min_length=1, max_length=63, description="The job's namespace.")
+    name: str = Field(..., min_length=1, max_length=253, description="The job's name.")
+    attempt: int = Field(..., ge=0, le=1_000_000, description="The attempt the reporting pod belongs to.")
+    run: str = Field(..., min_length=1, max_length=32, description="Random id of this trainer process.")
+    events: list[TrainerEvent] = Field(
+        default_factory=list, max_length=MAX_EVENTS, description="The newest trainer events, oldest first."
+    )
+
+    @field_validator("version")
+    @classmethod
+    def _readable(cls, v: int) -> int:
+        if v not in SUPPORTED_VERSIONS:
+            raise ValueError(
+                f"report version {v} is not readable by this release (it reads {sorted(SUPPORTED_VERSIONS)}); "
+                "run an operator at least as new as the trainer image"
+            )
+        return v
+

@@ -1,0 +1,131 @@
+"""PyTorch FSDP2 (`fully_shard`) applied to an unchanged model; checkpoints through torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sharded_trainer.config import FsdpOptions, TrainerConfig
+from sharded_trainer.loss import loss_function
+from sharded_trainer.optim import make_optimizer, make_scheduler
+from sharded_trainer.parallel import DTYPES, Batch, to_device, wrap_blocks
+from sharded_trainer.process_group import DistEnv
+
+
+def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: torch.dtype) -> nn.Module:
+    """Shard each transformer block, then the root (embeddings, final norm, output) with FSDP2.
+
+    Blocks are sharded first so each one all-gathers and frees its own parameters around its compute;
+    the root call then picks up whatever parameters no block owns (the tied embedding among them).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[options.reduce_dtype])
+    if param_dtype == torch.float32:
+        mp = MixedPrecisionPolicy()
+    extra = {"offload_policy": CPUOffloadPolicy()} if options.cpu_offload else {}
+    sharded = wrap_blocks(model, activation_checkpointing=options.activation_checkpointing, compile=options.compile)
+    for block in sharded:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)
+    # The root's parameters are needed again at the start of backward: keep them gathered.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
+    if options.prefetch > 1:
+        for i, block in enumerate(sharded):
+            block.set_modules_to_forward_prefetch(sharded[i + 1 : i + 1 + options.prefetch])
+            block.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - options.prefetch) : i])))
+    return model
+
+
+def host_stager(device: torch.device):
+    """DCP stager that copies the state into host buffers allocated once and reused by every save.
+
+    On GPUs the buffers are pinned, so a save after the first is one device-to-host copy at full
+    PCIe speed. (DCP's `DefaultStager` pins too, but torch 2.11 drops its buffers after each save, so
+    every save would allocate and pin ~7 GB per rank again for a 1.2B model.) Pinned memory needs a
+    GPU; on CPU each save copies into fresh host memory.
+    """
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    return BlockingAsyncStager(cache_staged_state_dict=device.type == "cuda")
+
+
+class FsdpStrategy:
+    """FSDP2 training step; a checkpoint is DCP's sharded files (`model`, `optim`, `scheduler` keys)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.env, self.cfg = env, cfg
+        self.mesh = init_device_mesh(env.device.type, (env.world,))
+        self.model = apply_fsdp(model, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision])
+        self.loss = loss_function(cfg.strategy.fsdp.compile)
+        self.optimizer = make_optimizer(self.model.parameters(), cfg, env.device)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self._ckpt_group = None
+        self._stager = None
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        total = torch.zeros((), device=self.env.device)
+        for batch in micro_batches:
+            inputs, targets = to_device(batch, self.env.device)
+            loss = self.loss(self.model(inputs), targets)
+            (loss / len(micro_batches)).backward()
+            total += loss.detach()
+        norm = None
+        if self.cfg.grad_clip_norm > 0:  # the norm is a pass over every gradient plus an all-reduce
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total / len(micro_batches), norm
+
+    def current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def save(self, directory: Path, *, async_save: bool) -> object | None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        state = self._state()
+        if not async_save:
+            dcp.save(state, checkpoint_id=str(directory))
+            return None
+        # Background writes run collectives off the training stream: give them their own gloo group.
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        if self._stager is None:
+            self._stager = host_stager(self.env.device)
+        # Returns once the state is copied to host memory (the training stall); the write to disk
+        # then overlaps training. CheckpointManager starts a save only after the previous one has
+        # finished, so the reused host buffers are never overwritten while being written out.
+        response = dcp.async_save(
+            state, checkpoint_id=str(directory), process_group=self._ckpt_group, async_stager=self._stager
+        )
+        return getattr(response, "upload_completion", response)
+
+    def load(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    @classmethod
+    def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)  # reads only the model's keys
+        return state["model"]

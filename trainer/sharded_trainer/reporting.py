@@ -1,0 +1,130 @@
+"""Rank 0's reports: progress and trainer events as a `contract.ProgressReport`, posted to the operator.
+
+The post runs on a background thread and is skipped while the previous one is in flight, so a slow or
+unreachable operator never stalls training; the next report carries whatever was skipped (progress is
+a state, and the newest `MAX_EVENTS` events ride along until they are acknowledged by a later post).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sharded_trainer.contract import (
+    MAX_EVENTS,
+    CheckpointRef,
+    ProgressReport,
+    TrainerEvent,
+    TrainerEventType,
+    TrainingProgress,
+    iso,
+)
+
+
+@dataclass(frozen=True)
+class ReportTarget:
+    """Where to post and whom the reports are about: from the pod's environment (`contract.PodEnv`)."""
+
+    url: str
+    uid: str
+    namespace: str
+    name: str
+    attempt: int
+
+
+def log(msg: str) -> None:
+    print(f"[report] {msg}", file=sys.stderr, flush=True)
+
+
+class ProgressReporter:
+    """Rank 0's progress and events: rewritten atomically to `path` and, in a pod, posted to the operator."""
+
+    def __init__(self, target: ReportTarget | None, *, total_steps: int, path: str | None = None):
+        self.target, self.path = target, Path(path) if path else None
+        self.run = uuid.uuid4().hex[:12]  # tells this process's events from a restarted one's
+        self.progress: dict[str, Any] = {"step": 0, "total_steps": total_steps}
+        self.events: list[TrainerEvent] = []
+        self._seq = 0
+        self._posting: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.target is not None or self.path is not None
+
+    def event(
+        self, type_: TrainerEventType, message: str, *, step: int | None = None, checkpoint: dict | None = None
+    ) -> None:
+        """Record a trainer event; it goes out with the next update."""
+        if not self.enabled:
+            return
+        self._seq += 1
+        ref = CheckpointRef.model_validate(checkpoint) if checkpoint else None
+        self.events.append(
+            TrainerEvent(seq=self._seq, type=type_, message=message[:1024], step=step, checkpoint=ref, time=iso())
+        )
+        del self.events[:-MAX_EVENTS]
+
+    def checkpoint_committed(self, committed: dict) -> None:
+        """A checkpoint's marker was written: an event, and the newest checkpoint in progress."""
+        self.event(
+            TrainerEventType.CHECKPOINT_COMMITTED, f"checkpoint at step {committed['step']} committed",
+            step=committed["step"], checkpoint=committed,
+        )  # fmt: skip
+        self.update(last_checkpoint=committed)
+
+    def update(self, **fields: Any) -> None:
+        """Merge progress fields (snake_case names of `TrainingProgress`), then write and post."""
+        if not self.enabled:
+            return
+        self.progress.update({k: v for k, v in fields.items() if v is not None})
+        progress = self._valid(TrainingProgress, {**self.progress, "updated_at": iso()})
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(progress.model_dump_json(by_alias=True, exclude_none=True))
+            os.replace(tmp, self.path)
+        if self.target and not (self._posting and self._posting.is_alive()):
+            t = self.target
+            report = ProgressReport(
+                **progress.model_dump(), uid=t.uid, namespace=t.namespace, name=t.name, attempt=t.attempt,
+                run=self.run, events=list(self.events),
+            )  # fmt: skip
+            body = report.model_dump_json(by_alias=True, exclude_none=True).encode()
+            self._posting = threading.Thread(target=self._post, args=(t.url, body), daemon=True)
+            self._posting.start()
+
+    def _valid(self, model: type[TrainingProgress], fields: dict[str, Any]) -> TrainingProgress:
+        """The fields as `model`, leaving out any value the contract refuses (a NaN loss after a diverged
+        step, say) rather than failing training over a report."""
+        fields = {k: v for k, v in fields.items() if not (isinstance(v, float) and not math.isfinite(v))}
+        try:
+            return model.model_validate(fields)
+        except ValidationError as e:
+            bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+            log(f"leaving {sorted(bad)} out of the progress report: {e.errors()[0]['msg']}")
+            return model.model_validate({k: v for k, v in fields.items() if k not in bad})
+
+    def _post(self, url: str, body: bytes) -> None:
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=5).close()
+        except urllib.error.HTTPError as e:  # refused: say why, once per report
+            log(f"progress report refused by {url}: {e.code} {e.read()[:500].decode(errors='replace')}")
+        except OSError as e:  # the operator restarting or unreachable: the next update tries again
+            log(f"progress report to {url} failed: {e}")
+
+    def flush(self, timeout: float = 5) -> None:
+        """Wait for the last post, so a final report is not lost when the process exits."""
+        if self._posting:
+            self._posting.join(timeout)
+

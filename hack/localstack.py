@@ -72,12 +72,13 @@ class OperatorProcess:
                 self.kill()
 
 
-def install_crd(kubeconfig: Path) -> None:
+def install_crd(kubeconfig: Path, body: dict | None = None) -> None:
+    """Create a CRD (the generated ShardedTrainingJob one unless `body` is given) and wait until Established."""
     from kubernetes import client, config
     from kubernetes.client.rest import ApiException
 
     ext = client.ApiextensionsV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
-    body = yaml.safe_load(CRD_FILE.read_text())
+    body = body or yaml.safe_load(CRD_FILE.read_text())
     try:
         ext.create_custom_resource_definition(body)
     except ApiException as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import posixpath
 import zlib
+from decimal import Decimal
 from typing import Any
 
 import yaml
@@ -21,6 +22,7 @@ from sharded_trainer.contract import CONTRACT_VERSION, PodEnv
 
 CONTAINER = "trainer"
 SHM_DEFAULT_BYTES = 2 * 2**30
+_MAX_QUANTITY = Decimal(2**63 - 1)
 
 
 def _name(job: ShardedTrainingJob) -> str:
@@ -85,7 +87,8 @@ def shm_size(job: ShardedTrainingJob) -> str:
     if s.shm_size is not None:
         return str(s.shm_size)
     if s.resources.memory is not None:
-        return str(int(quantity_value(s.resources.memory) // 2))
+        # The API server caps quantities at 2^63 - 1; so does this, before halving an absurd "1e999".
+        return str(int(min(quantity_value(s.resources.memory), _MAX_QUANTITY) / 2))
     return str(SHM_DEFAULT_BYTES)
 
 

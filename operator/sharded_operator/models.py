@@ -29,7 +29,7 @@ from sharded_operator.spec import (
     _quantity_field,
 )
 from sharded_trainer.config import StrategyConfig, TrainerConfig, TrainingSpec
-from sharded_trainer.contract import DEFAULT_CONFIG_PATH
+from sharded_trainer.contract import DEFAULT_CONFIG_PATH, WorkerEnv
 from sharded_trainer.rules import At, Has, Rule, Ruled
 
 GROUP = "training.sharded.dev"
@@ -101,7 +101,8 @@ class ShardedTrainingJobSpec(ApiModel):
     nodes: int = Field(1, ge=1, le=1024, description="Pods (one torchrun agent each, one per node).")
     procs_per_node: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
         "auto",
-        description="Processes per pod: 'auto' = resources.gpusPerNode, or 2 on CPU. WORLD_SIZE = nodes x this.",
+        description=f"Processes per pod: 'auto' = resources.gpusPerNode, or 2 on CPU. {WorkerEnv.WORLD_SIZE} = nodes x "
+        "this.",
         json_schema_extra=PROCS_SCHEMA,
     )
     image: str = Field(..., min_length=1, max_length=1024, description="Trainer image (has torchrun and the trainer).")

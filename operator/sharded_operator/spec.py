@@ -13,7 +13,7 @@ from pydantic.alias_generators import to_camel
 
 from sharded_operator.quantity import QuantityError, quantity_value
 from sharded_trainer.config import CheckpointPolicy, Model
-from sharded_trainer.contract import RESERVED_ENV, RESERVED_ENV_PREFIX, ExitCode
+from sharded_trainer.contract import RESERVED_ENV, RESERVED_ENV_PREFIX, ExitCode, PodEnv
 from sharded_trainer.rules import At, Each, Has, Rule
 
 
@@ -249,15 +249,18 @@ class PodOverrides(ApiModel):
             Each(At("env"), "e", lambda e: ~e.field("name").starts_with(RESERVED_ENV_PREFIX)
                  & ~e.field("name").is_in(list(RESERVED_ENV))),
             good=({"env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "MY_RANK", "value": "x"}]},),
-            bad=({"env": [{"name": "PET_NNODES", "value": "9"}]}, {"env": [{"name": "MASTER_ADDR", "value": "x"}]}),
+            bad=(
+                {"env": [{"name": PodEnv.NNODES.value, "value": "9"}]},
+                {"env": [{"name": PodEnv.MASTER_ADDR.value, "value": "x"}]},
+            ),
         ),
     )  # fmt: skip
 
     env: list[EnvVar] = Field(
         default_factory=list,
         max_length=256,
-        description="Extra environment. Rendezvous variables (PET_*, MASTER_ADDR, WORLD_SIZE, ...) are the "
-        "operator's and are refused.",
+        description=f"Extra environment. Rendezvous variables ({RESERVED_ENV_PREFIX}*, {', '.join(RESERVED_ENV[:3])}, "
+        "...) are the operator's and are refused.",
     )
     volumes: list[dict[str, Any]] = Field(default_factory=list, description="Extra core/v1 Volumes.")
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list, description="Extra VolumeMounts.")

@@ -169,14 +169,15 @@ def test_trainer_events_become_kubernetes_events_once():
     again = decide(job, Observed(pods=pods(2), progress=rep), NOW, GRACE)
     assert not [e for e in again.events if e[1].startswith("Checkpoint")]
     more = report(events=[event(1), event(2), event(3, TrainerEventType.RESUMED)])
-    assert [e[1] for e in decide(job, Observed(pods=pods(2), progress=more), NOW, GRACE).events] == ["Resumed"]
+    reasons = [e[1] for e in decide(job, Observed(pods=pods(2), progress=more), NOW, GRACE).events]
+    assert reasons == ["ResumedFromCheckpoint"]
 
 
 def test_a_restarted_trainer_process_reports_its_events_from_the_start():
     job = running(trainerEvents={"attempt": 1, "run": "r1", "seq": 5}).model()
     restarted = report(run="r2", events=[event(1, TrainerEventType.RESUMED)])
     plan = decide(job, Observed(pods=pods(2), progress=restarted), NOW, GRACE)
-    assert [e[1] for e in plan.events] == ["Resumed"] and plan.status.trainer_events.run == "r2"
+    assert [e[1] for e in plan.events] == ["ResumedFromCheckpoint"] and plan.status.trainer_events.run == "r2"
 
 
 def test_events_of_another_attempt_are_not_reported():

@@ -148,7 +148,7 @@ class TrainerEventType(StrEnum):
 
     CHECKPOINT_COMMITTED = "CheckpointCommitted"
     CHECKPOINT_SET_ASIDE = "CheckpointSetAside"  # a checkpoint that cannot be loaded was skipped
-    RESUMED = "Resumed"
+    RESUMED = "ResumedFromCheckpoint"
     EXPORT_WRITTEN = "ExportWritten"
     SETTING_CHOSEN = "SettingChosen"  # an `auto` setting resolved, e.g. the backend
     INCOMPATIBLE_CHECKPOINT = "IncompatibleCheckpoint"

@@ -220,7 +220,8 @@ class Has(Expr):
     def cel(self, ctx: Ctx) -> str:
         parts = tuple(self.path.split("."))
         infos = _walk(ctx.model, parts)
-        if infos[-1] is not None and _literal_default(infos[-1]) is not _NO_DEFAULT:
+        info = infos[-1]
+        if info is not None and (info.is_required() or info.default_factory is not None or info.default is not None):
             raise ValueError(f"Has({self.path!r}): the field has a default, so it is always set in Python")
         tests = [p for p in (parts[: i + 1] for i in range(len(parts))) if p not in ctx.present]
         return " && ".join("has(self." + ".".join(p) + ")" for p in tests) or "true"

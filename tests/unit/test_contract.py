@@ -121,7 +121,10 @@ GOOD = {
     "updatedAt": "2026-11-30T12:00:05Z",
     "lastCheckpoint": {"step": 40, "path": "/checkpoints/step-00000040", "time": "2026-11-30T12:00:04Z"},
     "events": [
-        {"seq": 1, "type": "ResumedFromCheckpoint", "message": "resumed at step 30", "step": 30, "time": "2026-11-30T11:59:00Z"},
+        {
+            "seq": 1, "type": "ResumedFromCheckpoint", "message": "resumed at step 30", "step": 30,
+            "time": "2026-11-30T11:59:00Z",
+        },
     ],
 }  # fmt: skip
 

@@ -179,6 +179,18 @@ class LocalCluster:
     def server(self) -> str:
         return f"https://{HOST}:{self.api_port}"
 
+    @staticmethod
+    def _controller_flags(kubeconfig: Path) -> list[str]:
+        """What kube-controller-manager and kube-scheduler both need: the API, loopback serving, no election."""
+        return [
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            f"--bind-address={HOST}",
+            f"--secure-port={free_port()}",
+            "--leader-elect=false",
+        ]
+
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         # A session of its own, so stop() can kill the whole process group even if we die first.
@@ -246,12 +258,7 @@ class LocalCluster:
                 "kube-controller-manager",
                 [
                     "kube-controller-manager",
-                    f"--kubeconfig={kc}",
-                    f"--authentication-kubeconfig={kc}",
-                    f"--authorization-kubeconfig={kc}",
-                    f"--bind-address={HOST}",
-                    f"--secure-port={free_port()}",
-                    "--leader-elect=false",
+                    *self._controller_flags(kc),
                     f"--service-account-private-key-file={pki / 'sa.key'}",
                     f"--root-ca-file={pki / 'ca.crt'}",
                     f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -260,16 +267,7 @@ class LocalCluster:
             )
             self._spawn(
                 "kube-scheduler",
-                [
-                    "kube-scheduler",
-                    f"--kubeconfig={kc}",
-                    f"--authentication-kubeconfig={kc}",
-                    f"--authorization-kubeconfig={kc}",
-                    f"--bind-address={HOST}",
-                    f"--secure-port={free_port()}",
-                    "--leader-elect=false",
-                    "--v=1",
-                ],
+                ["kube-scheduler", *self._controller_flags(kc), "--v=1"],
             )
             self._spawn(
                 "kwok",

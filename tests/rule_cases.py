@@ -9,7 +9,8 @@ from pydantic import BaseModel
 
 from manifests import load_example
 from sharded_operator.models import ShardedTrainingJob
-from sharded_trainer.rules import Rule, _model_of
+from sharded_trainer.cel import model_of
+from sharded_trainer.rules import Rule
 
 
 def models_in_job() -> list[tuple[str, type[BaseModel]]]:
@@ -21,7 +22,7 @@ def models_in_job() -> list[tuple[str, type[BaseModel]]]:
             return
         found.append((path, model))
         for name, info in model.model_fields.items():
-            sub = _model_of(info.annotation)
+            sub = model_of(info.annotation)
             if sub is not None:
                 visit(f"{path}.{info.alias or name}".lstrip("."), sub)
 

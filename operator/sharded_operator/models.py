@@ -28,9 +28,10 @@ from sharded_operator.spec import (
     Scheduling,
     _quantity_field,
 )
+from sharded_trainer.cel import At, Has
 from sharded_trainer.config import StrategyConfig, TrainerConfig, TrainingSpec
 from sharded_trainer.contract import DEFAULT_CONFIG_PATH, WorkerEnv
-from sharded_trainer.rules import At, Has, Rule, Ruled
+from sharded_trainer.rules import Rule, Ruled
 
 GROUP = "training.sharded.dev"
 VERSION = "v1alpha1"
@@ -159,10 +160,15 @@ class ConditionType(StrEnum):
     FAILED = "Failed"
 
 
-class Condition(ApiModel):
-    """A Kubernetes-style condition."""
+class StatusModel(ApiModel):
+    """Base of the status models: keys a newer operator wrote are ignored, not refused, on a downgrade."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition."""
+
     type: str = Field(..., description="Created, Running, Restarting, Succeeded, Failed or Suspended.")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field("", description="CamelCase reason for the last transition.")
@@ -170,11 +176,10 @@ class Condition(ApiModel):
     last_transition_time: str | None = Field(None, description="When status last changed (RFC 3339).")
 
 
-class Progress(ApiModel):
+class Progress(StatusModel):
     """Training progress reported by rank 0."""
 
-    model_config = ConfigDict(extra="ignore")
-    step: int = Field(0, description="Last completed optimizer step.")
+    step: int = Field(0, ge=0, description="Last completed optimizer step.")
     total_steps: int | None = Field(None, description="Steps the job trains for.")
     loss: float | None = Field(None, description="Loss at `step`.")
     tokens_per_second: float | None = Field(None, description="Throughput over all processes.")
@@ -182,19 +187,17 @@ class Progress(ApiModel):
     updated_at: str | None = Field(None, description="When rank 0 reported this (RFC 3339).")
 
 
-class CheckpointStatus(ApiModel):
+class CheckpointStatus(StatusModel):
     """The newest complete checkpoint."""
 
-    model_config = ConfigDict(extra="ignore")
     step: int = Field(..., description="Step the checkpoint holds.")
     path: str = Field(..., description="Directory of the checkpoint inside the claim.")
     time: str | None = Field(None, description="When it was committed (RFC 3339).")
 
 
-class FailureInfo(ApiModel):
+class FailureInfo(StatusModel):
     """The last failure that ended an attempt."""
 
-    model_config = ConfigDict(extra="ignore")
     pod: str | None = Field(None, description="Failed pod.")
     node: str | None = Field(None, description="Kubernetes node the pod ran on.")
     node_rank: int | None = Field(None, description="The pod's torchrun node rank.")
@@ -205,19 +208,17 @@ class FailureInfo(ApiModel):
     time: str | None = Field(None, description="When it was observed (RFC 3339).")
 
 
-class TrainerEventCursor(ApiModel):
+class TrainerEventCursor(StatusModel):
     """Which trainer events have been reported, so none is reported twice (across operator restarts too)."""
 
-    model_config = ConfigDict(extra="ignore")
     attempt: int = Field(..., description="Attempt of the trainer run that sent them.")
     run: str = Field(..., description="Random id of that trainer process (a restarted worker has a new one).")
     seq: int = Field(..., description="Sequence number of the last event reported.")
 
 
-class ShardedTrainingJobStatus(ApiModel):
+class ShardedTrainingJobStatus(StatusModel):
     """Observed state of a ShardedTrainingJob."""
 
-    model_config = ConfigDict(extra="ignore")
     phase: Phase | None = Field(
         None, description="Pending, Starting, Running, Restarting, Succeeded, Failed, Suspended."
     )

@@ -12,9 +12,10 @@ from pydantic import AfterValidator, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from sharded_operator.quantity import QuantityError, quantity_value
+from sharded_trainer.cel import At, Each, Has
 from sharded_trainer.config import CheckpointPolicy, Model
 from sharded_trainer.contract import RESERVED_ENV, RESERVED_ENV_PREFIX, ExitCode, PodEnv
-from sharded_trainer.rules import At, Each, Has, Rule
+from sharded_trainer.rules import Rule
 
 
 def _immutable(what: str) -> dict:

@@ -8,8 +8,9 @@ from rule_cases import models_in_job, rule_cases
 
 from sharded_operator import crdgen
 from sharded_operator.models import ShardedTrainingJob, ShardedTrainingJobSpec
+from sharded_trainer.cel import At, Ctx, Has
 from sharded_trainer.config import TrainerConfig, format_validation_error
-from sharded_trainer.rules import At, Ctx, Has, Rule
+from sharded_trainer.rules import Rule
 
 CASES = rule_cases()
 

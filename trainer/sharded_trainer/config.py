@@ -8,7 +8,8 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from sharded_trainer.rules import At, Has, Rule, Ruled, RuleViolation
+from sharded_trainer.cel import At, Has
+from sharded_trainer.rules import Rule, Ruled, RuleViolation
 
 
 class Model(Ruled):

@@ -234,7 +234,7 @@ class ShardedTrainingJobStatus(StatusModel):
     start_time: str | None = Field(None, description="When the job first started (RFC 3339).")
     completion_time: str | None = Field(None, description="When the job succeeded or failed (RFC 3339).")
     observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
-    trainer_events: TrainerEventCursor | None = Field(
+    last_trainer_event: TrainerEventCursor | None = Field(
         None, description="The last trainer event already turned into status and a Kubernetes event."
     )
 

@@ -275,13 +275,13 @@ def _merge_report(plan: Plan, report: ProgressReport | None) -> None:
     )  # fmt: skip
     if report.last_checkpoint:
         status.last_checkpoint = CheckpointStatus.model_validate(report.last_checkpoint.model_dump())
-    cursor = status.trainer_events
+    cursor = status.last_trainer_event
     seen = cursor.seq if cursor and (cursor.attempt, cursor.run) == (report.attempt, report.run) else 0
     new = [e for e in report.events if e.seq > seen]
     for e in new:
         plan.events.append((_EVENT_TYPES.get(e.type, "Normal"), e.type.value, e.message))
     if new:
-        status.trainer_events = TrainerEventCursor(attempt=report.attempt, run=report.run, seq=new[-1].seq)
+        status.last_trainer_event = TrainerEventCursor(attempt=report.attempt, run=report.run, seq=new[-1].seq)
 
 
 def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace: int, now: dt.datetime) -> Plan:

@@ -84,6 +84,10 @@ class Jobs:
             for p in sorted((self.stack.workdir / "nodeagent" / "pods").glob(f"{NS}_{name}-*/container.log"))
         )
 
+    def event_reasons(self, name: str) -> list[str]:
+        events = self.stack.cluster.api("GET", f"/apis/events.k8s.io/v1/namespaces/{NS}/events")["items"]
+        return [e["reason"] for e in events if (e.get("regarding") or {}).get("name") == name]
+
     def runs(self, name: str):
         return [r for r in self.stack.agent.runs.values() if r.name.startswith(f"{name}-")]
 
@@ -105,6 +109,10 @@ def test_job_trains_to_success_with_checkpoints_on_the_claim(jobs, strategy):
     assert status["progress"]["step"] == 30 and status["lastCheckpoint"]["step"] == 30
     assert status["progress"]["loss"] < 4.0  # chance is ln(256) = 5.5
     assert jobs.checkpoints(name) == [10, 20, 30]
+    # The trainer's own events reached the job through its progress reports, each once.
+    reasons = jobs.event_reasons(name)
+    assert reasons.count("SettingChosen") == 1
+    assert reasons.count("CheckpointCommitted") == 3, reasons
 
 
 def test_killed_pod_process_restarts_the_gang_and_resumes_from_the_newest_checkpoint(jobs, stack):

@@ -111,3 +111,34 @@ def test_a_trainer_of_another_contract_version_does_not_post(monkeypatch, capsys
     monkeypatch.setenv(PodEnv.CONTRACT_VERSION, "9")
     assert trainer_main._report_target() is None
     assert "reads progress reports of version 9" in capsys.readouterr().err
+
+
+def test_a_report_skipped_while_one_is_in_flight_is_sent_by_flush():
+    """Posts never queue up behind a slow operator, yet the final state and events still arrive."""
+    import http.server
+    import time
+
+    bodies: list[dict] = []
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            time.sleep(0.3)
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reporter = ProgressReporter(target(f"http://127.0.0.1:{server.server_port}/progress"), total_steps=10)
+        reporter.update(step=1)
+        reporter.update(step=2)  # skipped: the first is in flight
+        reporter.checkpoint_committed({"step": 2, "path": "/c/step-00000002", "time": "2026-11-30T12:00:00Z"})
+        reporter.flush()
+    finally:
+        server.shutdown()
+    assert [b["step"] for b in bodies] == [1, 2]
+    assert bodies[-1]["events"][-1]["type"] == "CheckpointCommitted"

@@ -157,13 +157,13 @@ def test_progress_report_fills_progress_and_last_checkpoint():
     assert decide(running().model(), Observed(pods=pods(2), progress=old), NOW, GRACE).status.progress is None
 
 
-def test_trainer_events_become_kubernetes_events_once():
+def test_last_trainer_event_become_kubernetes_events_once():
     rep = report(events=[event(1), event(2, TrainerEventType.CHECKPOINT_SET_ASIDE)])
     job = running().model()
     plan = decide(job, Observed(pods=pods(2), progress=rep), NOW, GRACE)
     assert ("Normal", "CheckpointCommitted", "event 1") in plan.events
     assert ("Warning", "CheckpointSetAside", "event 2") in plan.events
-    assert plan.status.trainer_events.model_dump() == {"attempt": 1, "run": "r1", "seq": 2}
+    assert plan.status.last_trainer_event.model_dump() == {"attempt": 1, "run": "r1", "seq": 2}
     # The same report again (the trainer re-sends its newest events), then one more event: only that one.
     job.status = plan.status
     again = decide(job, Observed(pods=pods(2), progress=rep), NOW, GRACE)
@@ -174,10 +174,10 @@ def test_trainer_events_become_kubernetes_events_once():
 
 
 def test_a_restarted_trainer_process_reports_its_events_from_the_start():
-    job = running(trainerEvents={"attempt": 1, "run": "r1", "seq": 5}).model()
+    job = running(lastTrainerEvent={"attempt": 1, "run": "r1", "seq": 5}).model()
     restarted = report(run="r2", events=[event(1, TrainerEventType.RESUMED)])
     plan = decide(job, Observed(pods=pods(2), progress=restarted), NOW, GRACE)
-    assert [e[1] for e in plan.events] == ["ResumedFromCheckpoint"] and plan.status.trainer_events.run == "r2"
+    assert [e[1] for e in plan.events] == ["ResumedFromCheckpoint"] and plan.status.last_trainer_event.run == "r2"
 
 
 def test_events_of_another_attempt_are_not_reported():

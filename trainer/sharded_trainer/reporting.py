@@ -56,6 +56,7 @@ class ProgressReporter:
         self.events: list[TrainerEvent] = []
         self._seq = 0
         self._posting: threading.Thread | None = None
+        self._unsent: bytes | None = None  # the newest report, when it was skipped for one in flight
 
     @property
     def enabled(self) -> bool:
@@ -93,13 +94,17 @@ class ProgressReporter:
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text(progress.model_dump_json(by_alias=True, exclude_none=True))
             os.replace(tmp, self.path)
-        if self.target and not (self._posting and self._posting.is_alive()):
+        if self.target:
             t = self.target
             report = ProgressReport(
                 **progress.model_dump(), uid=t.uid, namespace=t.namespace, name=t.name, attempt=t.attempt,
                 run=self.run, events=list(self.events),
             )  # fmt: skip
             body = report.model_dump_json(by_alias=True, exclude_none=True).encode()
+            if self._posting and self._posting.is_alive():
+                self._unsent = body  # the next update or flush sends the newest state
+                return
+            self._unsent = None
             self._posting = threading.Thread(target=self._post, args=(t.url, body), daemon=True)
             self._posting.start()
 
@@ -124,7 +129,11 @@ class ProgressReporter:
             log(f"progress report to {url} failed: {e}")
 
     def flush(self, timeout: float = 5) -> None:
-        """Wait for the last post, so a final report is not lost when the process exits."""
+        """Wait for the post in flight, then send the newest report if it was skipped, so the final state
+        and events are not lost when the process exits."""
         if self._posting:
             self._posting.join(timeout)
+        if self.target and self._unsent is not None:
+            body, self._unsent = self._unsent, None
+            self._post(self.target.url, body)
 

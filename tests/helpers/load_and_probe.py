@@ -12,29 +12,44 @@ import torch.distributed as dist
 from sharded_trainer.checkpoint import step_dir
 from sharded_trainer.config import load_config
 from sharded_trainer.model import build_model
-from sharded_trainer.process_group import init_distributed
+from sharded_trainer.process_group import init_distributed, shutdown
 from sharded_trainer.strategies import build_strategy
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--config")
-parser.add_argument("--step", type=int)
-parser.add_argument("--out")
-args = parser.parse_args(sys.argv[1:])
 
-cfg = load_config(args.config)
-env = init_distributed(cfg.backend)
-strategy = build_strategy(build_model(cfg), cfg, env)
-strategy.load(step_dir(Path(cfg.checkpoint.dir), args.step))
-probe = (torch.arange(2 * cfg.seq_len).reshape(2, cfg.seq_len) * 7) % 64
-with torch.no_grad():
-    logits = strategy.model(probe)
-if cfg.strategy.type == "fsdp":
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    parser.add_argument("--step", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args(sys.argv[1:])
 
-    weights = get_model_state_dict(strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-else:
-    weights = {k: v.detach().float().cpu() for k, v in strategy.model.state_dict().items()}
-if env.rank == 0:
-    torch.save({"logits": logits.float().cpu(), "weights": weights, "world": env.world}, args.out)
-dist.barrier()
-dist.destroy_process_group()
+    cfg = load_config(args.config)
+    env = init_distributed(cfg.backend)
+    probe(cfg, env, args.step, args.out)
+    dist.barrier()
+
+
+def probe(cfg, env, step: int, out: str) -> None:
+    """Load, run and save. Everything sharded lives in this frame, so it is freed before the process group
+    goes: objects left alive until interpreter shutdown can abort it from their destructors."""
+    strategy = build_strategy(build_model(cfg), cfg, env)
+    strategy.load(step_dir(Path(cfg.checkpoint.dir), step))
+    tokens = (torch.arange(2 * cfg.seq_len).reshape(2, cfg.seq_len) * 7) % 64
+    with torch.no_grad():
+        logits = strategy.model(tokens)
+    if cfg.strategy.type == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(strategy.model, options=options)
+    else:
+        weights = {k: v.detach().float().cpu() for k, v in strategy.model.state_dict().items()}
+    if env.rank == 0:
+        torch.save({"logits": logits.float().cpu(), "weights": weights, "world": env.world}, out)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        shutdown()

@@ -180,10 +180,18 @@ def test_cli_export_writes_a_safetensors_file(reference, tmp_path):
     assert out.stat().st_size > 0
 
 
-def test_async_fsdp_save_writes_the_same_checkpoint_as_a_synchronous_one(reference, tmp_path):
+def test_async_save_matches_a_synchronous_one_under_fsdp_and_is_refused_under_zero2(reference, tmp_path):
     strategy, ref_tmp, _, _ = reference
-    if strategy != "fsdp":
-        pytest.skip("asynchronous saves are an FSDP feature")
+    if strategy == "zero2":  # DeepSpeed saves synchronously: the config is refused before any process starts
+        config = write_config(tmp_path, **{"checkpoint.async": True, "strategy.type": "zero2"})
+        proc = subprocess.run(
+            [sys.executable, "-m", "sharded_trainer", "--config", str(config)], capture_output=True, text=True,
+            cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == ExitCode.INVALID_CONFIG, proc.stderr[-2000:]
+        assert "checkpoint.async: asynchronous saves are supported for strategy.type fsdp only" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        return
     # Three background saves in a row reuse one stager (and its host buffers); the last step saves in the
     # foreground.
     config = write_config(tmp_path, **{"checkpoint.async": True, "checkpoint.interval": 5})

@@ -75,10 +75,12 @@ def test_progress_and_events_reach_the_operator_as_a_typed_report(operator_app, 
 def test_a_diverged_loss_is_left_out_rather_than_failing_training(operator_app):
     store, _, url = operator_app
     reporter = ProgressReporter(target(url), total_steps=100)
-    reporter.update(step=3, loss=float("nan"), mfu=7.0)  # NaN and an impossible MFU: both refused by the contract
+    reporter.update(step=3, loss=float("nan"), mfu=7.0, tokens_per_second=-1.0)  # each refused by the contract
+    reporter.checkpoint_committed({"step": 3, "path": "/c/" + "x" * 2000, "time": "2026-11-30T12:00:00Z"})
     reporter.flush()
     report = store.get(UID)
-    assert report.step == 3 and report.loss is None and report.mfu is None
+    assert report.step == 3 and report.loss is None and report.mfu is None and report.tokens_per_second is None
+    assert report.last_checkpoint is None and report.events[-1].type == TrainerEventType.CHECKPOINT_COMMITTED
 
 
 @pytest.mark.parametrize(

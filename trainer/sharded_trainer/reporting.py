@@ -69,10 +69,12 @@ class ProgressReporter:
         if not self.enabled:
             return
         self._seq += 1
-        ref = CheckpointRef.model_validate(checkpoint) if checkpoint else None
-        self.events.append(
-            TrainerEvent(seq=self._seq, type=type_, message=message[:1024], step=step, checkpoint=ref, time=iso())
-        )
+        fields = {"seq": self._seq, "type": type_, "message": message[:1024], "step": step, "time": iso()}
+        try:
+            self.events.append(TrainerEvent.model_validate({**fields, "checkpoint": checkpoint}))
+        except ValidationError as e:  # a checkpoint path beyond the contract's bound: the event still counts
+            log(f"leaving the checkpoint out of a {type_.value} event: {e.errors()[0]['msg']}")
+            self.events.append(TrainerEvent.model_validate(fields))
         del self.events[:-MAX_EVENTS]
 
     def checkpoint_committed(self, committed: dict) -> None:
@@ -115,7 +117,8 @@ class ProgressReporter:
         try:
             return model.model_validate(fields)
         except ValidationError as e:
-            bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+            names = {f.alias or n: n for n, f in model.model_fields.items()}  # errors name fields by alias
+            bad = {names.get(str(err["loc"][0]), str(err["loc"][0])) for err in e.errors() if err["loc"]}
             log(f"leaving {sorted(bad)} out of the progress report: {e.errors()[0]['msg']}")
             return model.model_validate({k: v for k, v in fields.items() if k not in bad})
 

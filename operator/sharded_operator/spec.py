@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from sharded_operator.quantity import QuantityError, quantity_value
+from sharded_operator.quantity import is_quantity
 from sharded_trainer.cel import At, Each, Has
 from sharded_trainer.config import CheckpointPolicy, Model
 from sharded_trainer.contract import RESERVED_ENV, RESERVED_ENV_PREFIX, ExitCode, PodEnv
@@ -22,9 +22,11 @@ def _immutable(what: str) -> dict:
     return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": f"{what} is immutable after creation"}]}
 
 
-# One rule for every quantity field, in both worlds: the API server's isQuantity and our port of it.
+# One rule for every quantity field, in both worlds: the API server's isQuantity and our port of it. The
+# sign is read off the text: quantity arithmetic in CEL on an admissible "1e9999999999" runs until the
+# request times out.
 _QUANTITY_MESSAGE = "must be a non-negative Kubernetes quantity such as 16Gi, 500m or 4"
-_QUANTITY_CEL = "type(self) == int ? self >= 0 : (isQuantity(self) && quantity(self).sign() >= 0)"
+_QUANTITY_CEL = "type(self) == int ? self >= 0 : (isQuantity(self) && !self.startsWith('-'))"
 
 
 def _quantity_field(description: str, default: str | None = None) -> Any:
@@ -39,11 +41,8 @@ def _quantity_field(description: str, default: str | None = None) -> Any:
 
 
 def _check_quantity(v: int | str) -> int | str:
-    try:
-        if quantity_value(v) >= 0:
-            return v
-    except QuantityError:
-        pass
+    if (isinstance(v, int) and v >= 0) or (isinstance(v, str) and is_quantity(v) and not v.startswith("-")):
+        return v
     raise ValueError(_QUANTITY_MESSAGE)
 
 

@@ -22,7 +22,6 @@ from pydantic import ValidationError
 
 from sharded_trainer.contract import (
     MAX_EVENTS,
-    CheckpointRef,
     ProgressReport,
     TrainerEvent,
     TrainerEventType,

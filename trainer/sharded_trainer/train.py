@@ -43,8 +43,11 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
     )
     ckpt = CheckpointManager(cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed)
-    if cfg.backend == "auto":
-        report.event(TrainerEventType.SETTING_CHOSEN, f"backend auto: {env.backend} on {env.device.type}")
+    # What the run settled on (backend `auto` resolved here outside a pod; the world size torchrun made).
+    report.event(
+        TrainerEventType.SETTING_CHOSEN,
+        f"{cfg.strategy.type} on {env.world} processes, backend {env.backend} on {env.device.type}",
+    )
 
     step = 0
     resumed = ckpt.load_latest(strategy)

@@ -14,13 +14,12 @@ from typing import Any
 
 import yaml
 
-from sharded_operator.models import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, ShardedTrainingJob
+from sharded_operator.models import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, ShardedTrainingJob
 from sharded_operator.quantity import quantity_value
 from sharded_operator.settings import OperatorSettings
 from sharded_trainer.config import CheckpointConfig, TrainerConfig
 from sharded_trainer.contract import CONTRACT_VERSION, PodEnv
 
-CONTAINER = "trainer"
 SHM_DEFAULT_BYTES = 2 * 2**30
 _MAX_QUANTITY = Decimal(2**63 - 1)
 

@@ -42,13 +42,17 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def job_event(type: str, name: str, namespace: str, uid: str, memo: kopf.Memo, logger, **_: Any) -> None:
     if type == "DELETED":
-        memo.ctx.forget(uid)
+        memo.ctx.forget(uid, namespace, name)
         return
     reconcile(memo.ctx, namespace, name, logger)
 
 
 @kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_event(labels: dict[str, str], namespace: str, memo: kopf.Memo, logger, **_: Any) -> None:
+def pod_event(
+    type: str, body: kopf.Body, labels: dict[str, str], namespace: str, memo: kopf.Memo, logger, **_: Any
+) -> None:
+    if type == "DELETED":  # its last state says why it went; the next list will not have it
+        memo.ctx.pod_gone(namespace, labels[LABEL_JOB], dict(body))
     reconcile(memo.ctx, namespace, labels[LABEL_JOB], logger)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -101,6 +102,8 @@ class Kube:
                 return False
             if e.status == 404 and kind == "PodGroup":
                 raise MissingAPI(f"{obj['apiVersion']} PodGroup is not installed in this cluster") from e
+            if e.status in (400, 403, 422):  # admission said no: a policy, a quota or an invalid object
+                raise Refused.from_api(kind, obj["metadata"]["name"], e) from e
             raise
         return True
 
@@ -149,3 +152,19 @@ class Kube:
 
 class MissingAPI(RuntimeError):
     """An API the job asks for (e.g. a PodGroup CRD) does not exist in the cluster."""
+
+
+class Refused(RuntimeError):
+    """The API server refused to create a child: Pod Security, a quota, a webhook, an invalid object."""
+
+    def __init__(self, kind: str, name: str, reason: str, message: str):
+        super().__init__(f"{kind} {name}: {message}")
+        self.kind, self.name, self.reason, self.message = kind, name, reason, message
+
+    @classmethod
+    def from_api(cls, kind: str, name: str, e: ApiException) -> Refused:
+        try:
+            status = json.loads(e.body or "{}")
+        except ValueError:
+            status = {}
+        return cls(kind, name, status.get("reason") or e.reason or str(e.status), status.get("message") or str(e))

@@ -42,6 +42,7 @@ SHORT_NAME = "stj"
 LABEL_JOB = f"{GROUP}/job-name"
 LABEL_INDEX = f"{GROUP}/node-index"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
+CONTAINER = "trainer"  # the trainer's container in every pod
 # Pods are named <job>-<index> and double as hostnames (63-character DNS labels); PVCs <job>-checkpoints.
 MAX_NAME_LENGTH = 50
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -150,7 +151,7 @@ FINISHED = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 
 
 class ConditionType(StrEnum):
-    """Condition types in status.conditions; every phase but Pending and Starting has one of its own."""
+    """Condition types in status.conditions: one per phase but Pending and Starting, and a few of their own."""
 
     CREATED = "Created"
     RUNNING = "Running"
@@ -158,6 +159,7 @@ class ConditionType(StrEnum):
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    CREATE_REFUSED = "CreateRefused"  # the API server refused a child (policy, quota, invalid object)
 
 
 class StatusModel(ApiModel):
@@ -184,7 +186,11 @@ class Progress(StatusModel):
     loss: float | None = Field(None, description="Loss at `step`.")
     tokens_per_second: float | None = Field(None, description="Throughput over all processes.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs).")
-    updated_at: str | None = Field(None, description="When rank 0 reported this (RFC 3339).")
+    updated_at: str | None = Field(None, description="When rank 0 wrote this report, by its own clock (RFC 3339).")
+    attempt: int | None = Field(None, description="Attempt the report came from.")
+    observed_at: str | None = Field(
+        None, description="When the operator first saw this report (its clock; hang detection counts from here)."
+    )
 
 
 class CheckpointStatus(StatusModel):
@@ -228,10 +234,16 @@ class ShardedTrainingJobStatus(StatusModel):
     ready_nodes: int = Field(0, description="Pods of the current attempt that are running.")
     attempt: int = Field(0, description="Current attempt (a fresh gang and rendezvous id each).")
     restarts: int = Field(0, description="Gang restarts so far (counted against backoffLimit).")
+    disruptions: int = Field(
+        0, description="Restarts caused by disruptions (evictions, preemption, node loss), not counted as failures."
+    )
     progress: Progress | None = Field(None, description="Live training progress.")
     last_checkpoint: CheckpointStatus | None = Field(None, description="Newest complete checkpoint.")
     last_failure: FailureInfo | None = Field(None, description="Last failure that ended an attempt.")
     start_time: str | None = Field(None, description="When the job first started (RFC 3339).")
+    active_since: str | None = Field(
+        None, description="When the job last became active: its start or its last resume (activeDeadlineSeconds)."
+    )
     completion_time: str | None = Field(None, description="When the job succeeded or failed (RFC 3339).")
     observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
     last_trainer_event: TrainerEventCursor | None = Field(

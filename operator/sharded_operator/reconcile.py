@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -12,10 +13,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from sharded_operator import builders
-from sharded_operator.k8s import Kube, MissingAPI
+from sharded_operator.failure import missing_pods
+from sharded_operator.k8s import Kube, MissingAPI, Refused
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.status import Observed, PodView, decide, set_phase
+from sharded_operator.status import decide, record_refusal, set_phase
+from sharded_operator.views import Observed, PodView
 from sharded_operator.web import Metrics, ProgressStore
 from sharded_trainer.config import format_validation_error
 from sharded_trainer.contract import iso
@@ -30,10 +33,19 @@ class Context:
     progress: ProgressStore = field(default_factory=ProgressStore)
     metrics: Metrics = field(default_factory=Metrics)
     locks: defaultdict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
+    departed: dict[str, dict[str, PodView]] = field(default_factory=dict)  # "ns/job" -> pod name -> last view
+    missing: dict[str, dict[str, str]] = field(default_factory=dict)  # "ns/job" -> pod name -> missing since
 
-    def forget(self, uid: str) -> None:
-        """Drop what is kept per job once the job is gone: its last progress report and its phase gauge."""
+    def pod_gone(self, namespace: str, job: str, pod: dict[str, Any]) -> None:
+        """Keep a deleted pod's last state (why it went) until a reconcile of its job has seen it."""
+        view = PodView.from_pod(pod)
+        self.departed.setdefault(f"{namespace}/{job}", {})[view.name] = view
+
+    def forget(self, uid: str, namespace: str = "", name: str = "") -> None:
+        """Drop what is kept per job once the job is gone: its last report, departed pods, phase gauge."""
         self.progress.forget(uid)
+        self.departed.pop(f"{namespace}/{name}", None)
+        self.missing.pop(f"{namespace}/{name}", None)
         self.metrics.observe_phase(uid, None)
 
 
@@ -62,24 +74,37 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
             return _invalid(ctx, body, format_validation_error(e, prefix="spec."), logger)
         uid = body["metadata"]["uid"]
         pods = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
-        observed = Observed(pods=pods, nodes=ctx.kube.node_names(), progress=ctx.progress.get(uid))
+        key = f"{namespace}/{name}"
+        departed = ctx.departed.get(key, {})
+        observed = Observed(pods=pods, nodes=ctx.kube.node_names(), progress=ctx.progress.get(uid), departed=departed)
         now = dt.datetime.now(dt.UTC)
+        seen_missing = ctx.missing.get(key, {})
+        ctx.missing[key] = {p: seen_missing.get(p, iso(now)) for p in missing_pods(job, job.status, observed)}
+        observed = dataclasses.replace(observed, missing_since=ctx.missing[key])
         grace = {"restart": ctx.settings.restart_grace_seconds, "suspend": ctx.settings.suspend_grace_seconds}
         plan = decide(job, observed, now, grace)
+        # Departed pods matter only to the attempt they belonged to.
+        for pod_name in [n for n, v in departed.items() if v.attempt < plan.status.attempt]:
+            del departed[pod_name]
 
         # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods)
         for pod in plan.delete:
             ctx.kube.delete_pod(namespace, pod, plan.grace_seconds)
         # 2. children the pods need, then the pods of the current attempt
         if plan.create:
+            refusal = None
             try:
                 _ensure_children(ctx, job, body)
+                for index in plan.create:
+                    pod = adopt(builders.build_pod(job, index, plan.status.attempt, ctx.settings), body)
+                    if ctx.kube.create(namespace, pod):
+                        ctx.metrics.pods_created.inc()
             except MissingAPI as e:
                 return _invalid(ctx, body, str(e), logger)
-            for index in plan.create:
-                pod = adopt(builders.build_pod(job, index, plan.status.attempt, ctx.settings), body)
-                if ctx.kube.create(namespace, pod):
-                    ctx.metrics.pods_created.inc()
+            except Refused as e:  # retried at the next reconcile: a quota may free up, a policy may change
+                logger.warning("create refused: %s", e)
+                refusal = (e.reason, f"{e.kind} {e.name}: {e.message}")
+            record_refusal(plan, refusal, iso(now))
         # 3. one status write, only when something changed
         before = job.status
         new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -100,7 +125,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         if plan.delete_job:
             logger.info("ttlSecondsAfterFinished reached: deleting the job")
             ctx.kube.delete_job(namespace, name)
-            ctx.forget(uid)
+            ctx.forget(uid, namespace, name)
         return plan.status
 
 

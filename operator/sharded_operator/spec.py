@@ -188,7 +188,18 @@ class FailurePolicy(ApiModel):
         description="If set, only these exit codes (and evictions / node loss) restart the gang; others fail it.",
     )
     hang_timeout_seconds: int | None = Field(
-        None, ge=60, le=604800, description="Restart the gang when training reports no progress for this long."
+        None, ge=60, le=604800,
+        description="Restart the gang when the current attempt, having reported progress, sends no new report for "
+        "this long (the operator's clock). An attempt that never reports is never declared hung.",
+    )
+    startup_timeout_seconds: int | None = Field(
+        None, ge=60, le=604800,
+        description="Restart the gang when no progress report arrives this long after every pod is running.",
+    )
+    count_disruptions: bool = Field(
+        False,
+        description="Count disruptions (evictions, preemption, node loss, a stop after a final checkpoint) against "
+        "backoffLimit; by default they restart the gang without using it.",
     )
 
 
@@ -197,7 +208,7 @@ class RunPolicy(ApiModel):
 
     suspend: bool = Field(False, description="Delete the pods (after a final checkpoint) and keep the job.")
     active_deadline_seconds: int | None = Field(
-        None, ge=1, description="Fail the job when it has been active this long."
+        None, ge=1, description="Fail the job when it has been active this long; the timer restarts on resume."
     )
     ttl_seconds_after_finished: int | None = Field(
         None, ge=0, description="Delete the job this long after it succeeded or failed."

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
 
-from sharded_operator.builders import CONTAINER, pod_name
+from sharded_operator.failure import (
+    current_failures,
+    first_failure,
+    hang,
+    is_disruption,
+    is_permanent,
+    missing_pods,
+)
 from sharded_operator.models import (
     FINISHED,
-    LABEL_ATTEMPT,
-    LABEL_INDEX,
     CheckpointStatus,
     Condition,
     ConditionType,
@@ -25,60 +29,16 @@ from sharded_operator.models import (
     ShardedTrainingJobStatus,
     TrainerEventCursor,
 )
+from sharded_operator.views import POD_FINISHED, Observed
 from sharded_trainer.contract import ProgressReport, TrainerEventType, iso, parse_iso
 
-# Kubernetes pod phases (the pod's, not the job's).
-POD_FINISHED = ("Succeeded", "Failed")
+# The conditions set_phase keeps in step with the phase.
+PHASE_CONDITIONS = tuple(c for c in ConditionType if c.value in {p.value for p in Phase})
 # How each trainer event shows among the job's Kubernetes events.
 _EVENT_TYPES = {
     TrainerEventType.CHECKPOINT_SET_ASIDE: "Warning",
     TrainerEventType.INCOMPATIBLE_CHECKPOINT: "Warning",
 }
-
-
-@dataclass(frozen=True)
-class PodView:
-    """What reconcile needs to know about one pod."""
-
-    name: str
-    index: int
-    attempt: int
-    phase: str
-    node: str | None = None
-    deleting: bool = False
-    ready: bool = False
-    exit_code: int | None = None
-    reason: str | None = None
-    message: str = ""
-
-    @classmethod
-    def from_pod(cls, pod: dict[str, Any]) -> PodView:
-        meta, status = pod["metadata"], pod.get("status") or {}
-        term = None
-        for cs in status.get("containerStatuses") or []:
-            if cs.get("name") == CONTAINER or term is None:
-                term = (cs.get("state") or {}).get("terminated") or term
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        labels = meta.get("labels") or {}
-        return cls(
-            name=meta["name"],
-            index=int(labels.get(LABEL_INDEX, -1)),
-            attempt=int(labels.get(LABEL_ATTEMPT, 0)),
-            phase=status.get("phase") or "Pending",
-            node=(pod.get("spec") or {}).get("nodeName"),
-            deleting=bool(meta.get("deletionTimestamp")),
-            ready=ready,
-            exit_code=term.get("exitCode") if term else None,
-            reason=(term or {}).get("reason") or status.get("reason"),
-            message=(term or {}).get("message") or status.get("message") or "",
-        )
-
-
-@dataclass(frozen=True)
-class Observed:
-    pods: list[PodView]
-    nodes: set[str] | None = None  # names of existing nodes; None if not known
-    progress: ProgressReport | None = None  # latest report of rank 0
 
 
 @dataclass
@@ -119,73 +79,25 @@ def set_phase(status: ShardedTrainingJobStatus, phase: Phase, reason: str, messa
     """The phase, and the condition of each phase that has one: True for this phase, False for the rest."""
     status.phase = phase
     status.message = message
-    for cond in ConditionType:
-        if cond != ConditionType.CREATED:
-            on = cond.value == phase.value
-            set_condition(status, cond, on, reason if on else "", message if on else "", now)
+    for cond in PHASE_CONDITIONS:
+        on = cond.value == phase.value
+        set_condition(status, cond, on, reason if on else "", message if on else "", now)
 
 
-# --- failure policy -----------------------------------------------------------------------------
-
-
-def classify(job: ShardedTrainingJob, failure: FailureInfo) -> bool:
-    """True if the failure is retryable (restart the gang), False if it is permanent."""
-    fp = job.spec.failure_policy
-    if failure.exit_code is None:  # evicted, deleted, node lost, hang: the infrastructure, not the code
-        return True
-    if failure.exit_code in fp.permanent_exit_codes:
-        return False
-    if fp.retryable_exit_codes is not None:
-        return failure.exit_code in fp.retryable_exit_codes
-    return True
-
-
-def find_failure(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed, now: str):
-    """The first sign that the current attempt is broken, or None."""
-    current = [p for p in obs.pods if p.attempt == status.attempt]
-    for p in sorted(current, key=lambda p: p.index):
-        if p.phase == "Failed":
-            reason = p.reason or "Error"
-            msg = p.message or f"trainer container exited with code {p.exit_code}"
-            return FailureInfo(
-                pod=p.name, node=p.node, node_rank=p.index, exit_code=p.exit_code, reason=reason,
-                message=msg, attempt=status.attempt, time=now,
-            )  # fmt: skip
-        if obs.nodes is not None and p.node and p.node not in obs.nodes and p.phase not in POD_FINISHED:
-            return FailureInfo(
-                pod=p.name, node=p.node, node_rank=p.index, reason="NodeLost",
-                message=f"node {p.node} no longer exists", attempt=status.attempt, time=now,
-            )  # fmt: skip
-        if p.deleting and p.phase not in POD_FINISHED:
-            return FailureInfo(
-                pod=p.name, node=p.node, node_rank=p.index, reason="PodDeleted",
-                message="pod is being deleted (eviction, preemption or a user)", attempt=status.attempt, time=now,
-            )  # fmt: skip
-    if status.phase in (Phase.STARTING, Phase.RUNNING):
-        present = {p.index for p in current}
-        missing = sorted(set(range(job.spec.nodes)) - present)
-        if missing:
-            name = pod_name(job, missing[0])
-            return FailureInfo(
-                pod=name, node_rank=missing[0], reason="PodDeleted", message=f"pod {name} disappeared",
-                attempt=status.attempt, time=now,
-            )  # fmt: skip
-    return None
-
-
-def hang(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime) -> FailureInfo | None:
-    timeout = job.spec.failure_policy.hang_timeout_seconds
-    if not timeout or status.phase != Phase.RUNNING:
-        return None
-    last = parse_iso(status.progress.updated_at if status.progress else None) or parse_iso(
-        next((c.last_transition_time for c in status.conditions if c.type == ConditionType.RUNNING), None)
-    )
-    if last and (now - last).total_seconds() > timeout:
-        return FailureInfo(
-            reason="Hang", message=f"no training progress for more than {timeout}s", attempt=status.attempt,
-            time=iso(now),
-        )  # fmt: skip
-    return None
+def record_refusal(plan: Plan, refusal: tuple[str, str] | None, now: str) -> None:
+    """What the API server said to the last creates: a refusal (reason, its own message) sets the
+    CreateRefused condition and, when it is new, an event; creates going through clear it."""
+    status = plan.status
+    old = next((c for c in status.conditions if c.type == ConditionType.CREATE_REFUSED), None)
+    if refusal is None:
+        if old and old.status == "True":
+            set_condition(status, ConditionType.CREATE_REFUSED, False, "Created", "", now)
+        return
+    reason, message = refusal
+    if not (old and old.status == "True" and old.message == message):
+        plan.events.append(("Warning", "FailedCreate", message))
+    set_condition(status, ConditionType.CREATE_REFUSED, True, reason, message, now)
+    status.message = f"the API server refused to create the job's pods: {message}"
 
 
 # --- the decision -------------------------------------------------------------------------------
@@ -205,12 +117,13 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     if status.attempt == 0:  # first sight of the job
         status.attempt = 1
         status.start_time = status.start_time or ts
+        status.active_since = ts
         set_phase(status, Phase.PENDING, "Created", "creating pods", ts)
         set_condition(status, ConditionType.CREATED, True, "Created", "job accepted", ts)
     current = [p for p in obs.pods if p.attempt == status.attempt]
     stale = [p for p in obs.pods if p.attempt != status.attempt]
 
-    _merge_report(plan, obs.progress)
+    _merge_report(plan, obs.progress, ts)
 
     if spec.run_policy.suspend:
         plan.delete = [p.name for p in obs.pods if not p.deleting]
@@ -222,18 +135,21 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         return plan
     if status.phase == Phase.SUSPENDED:  # resumed: a fresh attempt with a fresh rendezvous
         status.attempt += 1
+        status.active_since = ts  # as for Jobs, the deadline counts from the resume
         set_phase(status, Phase.PENDING, "Resumed", "resuming from the newest checkpoint", ts)
         plan.events.append(("Normal", "Resumed", f"starting attempt {status.attempt}"))
         current, stale = [], list(obs.pods)
 
     deadline = spec.run_policy.active_deadline_seconds
-    started = parse_iso(status.start_time)
-    if deadline and started and (now - started).total_seconds() > deadline:
+    active = parse_iso(status.active_since or status.start_time)
+    if deadline and active and (now - active).total_seconds() > deadline:
         return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
 
-    failure = find_failure(job, status, obs, ts) or hang(job, status, now)
+    failure = first_failure(job, current_failures(job, status, obs, now)) or hang(job, status, now)
     if failure:
         return _restart_or_fail(job, plan, obs, failure, grace["restart"], now)
+    if missing_pods(job, status, obs):  # gone, but why is not known yet: no replacement, no verdict
+        return plan
 
     # Old attempts must be gone before the new one starts: pod names are reused.
     plan.delete = [p.name for p in stale if not p.deleting]
@@ -264,14 +180,22 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     return plan
 
 
-def _merge_report(plan: Plan, report: ProgressReport | None) -> None:
-    """Rank 0's latest report of the current attempt: its progress, and its events not reported yet."""
+def _merge_report(plan: Plan, report: ProgressReport | None, now: str) -> None:
+    """Rank 0's latest report of the current attempt: its progress, and its events not reported yet.
+
+    `observedAt` is when the operator first saw this report: hang detection runs on the operator's
+    clock, from this attempt's newest report, whatever the trainer's clock says.
+    """
     status = plan.status
     if report is None or report.attempt != status.attempt:
         return
+    old = status.progress
+    key = (report.attempt, report.step, report.updated_at)
+    seen = old is not None and (old.attempt, old.step, old.updated_at) == key
     status.progress = Progress(
         step=report.step, total_steps=report.total_steps, loss=report.loss, tokens_per_second=report.tokens_per_second,
-        mfu=report.mfu, updated_at=report.updated_at,
+        mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt,
+        observed_at=old.observed_at if seen and old else now,
     )  # fmt: skip
     if report.last_checkpoint:
         status.last_checkpoint = CheckpointStatus.model_validate(report.last_checkpoint.model_dump())
@@ -285,18 +209,25 @@ def _merge_report(plan: Plan, report: ProgressReport | None) -> None:
 
 
 def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace: int, now: dt.datetime) -> Plan:
-    status = plan.status
+    """A permanent failure ends the job; a disruption restarts it without using backoffLimit (unless
+    failurePolicy.countDisruptions); any other failure restarts it while the limit lasts."""
+    status, fp = plan.status, job.spec.failure_policy
     status.last_failure = failure
     where = f"pod {failure.pod} (node rank {failure.node_rank}, node {failure.node})" if failure.pod else "the gang"
     detail = f"{failure.reason}: {where}" + (
         f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
     )
-    if not classify(job, failure):
+    if is_permanent(job, failure):
         return _fail(job, plan, obs, "PermanentFailure", f"{detail}; exit code is permanent", now)
-    if status.restarts >= job.spec.failure_policy.backoff_limit:
-        limit = job.spec.failure_policy.backoff_limit
-        return _fail(job, plan, obs, "BackoffLimitExceeded", f"{detail}; {limit} restarts used", now)
-    status.restarts += 1
+    counted = fp.count_disruptions or not is_disruption(failure)
+    if counted and status.restarts >= fp.backoff_limit:
+        return _fail(job, plan, obs, "BackoffLimitExceeded", f"{detail}; {fp.backoff_limit} restarts used", now)
+    if counted:
+        status.restarts += 1
+        budget = f"restart {status.restarts}/{fp.backoff_limit}"
+    else:
+        status.disruptions += 1
+        budget = f"disruption {status.disruptions}, not counted against backoffLimit"
     status.attempt += 1
     plan.delete = [p.name for p in obs.pods if not p.deleting]
     plan.grace_seconds = grace
@@ -304,9 +235,7 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
     set_phase(
         status, Phase.RESTARTING, failure.reason, f"{detail}; restarting the gang as attempt {status.attempt}", iso(now)
     )
-    plan.events.append(
-        ("Warning", "Restarting", f"{detail}; restart {status.restarts}/{job.spec.failure_policy.backoff_limit}")
-    )
+    plan.events.append(("Warning", "Restarting", f"{detail}; {budget}"))
     return plan
 
 

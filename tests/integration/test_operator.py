@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -135,9 +136,44 @@ def test_node_loss_restarts_the_gang_on_remaining_nodes(ops, cluster, core):
     try:
         second = ops.wait_running_attempt(2, 2)
         assert lost not in {p.spec.node_name for p in second}
-        assert ops.status()["lastFailure"]["reason"] in ("NodeLost", "PodDeleted")
+        status = ops.status()
+        assert status["lastFailure"]["reason"] in ("NodeLost", "DisruptionTarget"), status["lastFailure"]
+        assert (status["restarts"], status["disruptions"]) == (0, 1)  # a disruption, not a failure
     finally:
         cluster.add_gpu_node(lost)
+
+
+def test_an_eviction_restarts_the_gang_without_using_the_failure_budget(ops, core):
+    """The Eviction API marks the pod DisruptionTarget before deleting it, as a drain or preemption does."""
+    from kubernetes import client
+
+    ops.create(gpu_job().spec("failurePolicy.backoffLimit", 0))
+    ops.wait_running_attempt(1, 2)
+    core.create_namespaced_pod_eviction(
+        "j-1", ops.ns, client.V1Eviction(metadata=client.V1ObjectMeta(name="j-1", namespace=ops.ns))
+    )
+    ops.wait_running_attempt(2, 2)
+    status = ops.status()
+    assert (status["restarts"], status["disruptions"], status["phase"]) == (0, 1, "Running")
+    assert status["lastFailure"]["reason"] == "DisruptionTarget" and status["lastFailure"]["pod"] == "j-1"
+    assert "Eviction" in status["lastFailure"]["message"]
+
+
+def test_a_pod_the_api_server_refuses_shows_in_a_condition_and_one_event(ops, core):
+    """An invalid pod label passes the job's admission (labels are free-form there) but not the pod's."""
+    ops.create(gpu_job().spec("pod", {"labels": {"team": "-not a label value-"}}))
+    status = wait_for(
+        lambda: (s := ops.status()) and any(c["type"] == "CreateRefused" and c["status"] == "True"
+                                            for c in s.get("conditions", [])) and s,
+        what="the CreateRefused condition",
+    )  # fmt: skip
+    cond = next(c for c in status["conditions"] if c["type"] == "CreateRefused")
+    assert cond["reason"] == "Invalid" and "metadata.labels" in cond["message"], cond
+    assert "refused" in status["message"]
+    time.sleep(3)  # several reconciles later: still one event
+    events = [e for e in core.list_namespaced_event(ops.ns).items if e.reason == "FailedCreate"]
+    assert len(events) == 1 and "metadata.labels" in events[0].message
+    assert not ops.pods()
 
 
 def test_suspend_deletes_pods_and_resume_brings_them_back(ops):

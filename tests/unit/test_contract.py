@@ -174,3 +174,8 @@ def test_another_contract_version_is_refused_with_what_this_release_reads():
     with pytest.raises(ValidationError) as exc:
         ProgressReport.model_validate({**GOOD, "version": 2})
     assert "reads [1]" in str(exc.value)
+
+
+def test_times_in_either_spelling_parse_to_the_same_instant():
+    assert parse_iso("2026-11-30T12:00:05+00:00") == parse_iso("2026-11-30T12:00:05Z")
+    assert iso(parse_iso("2026-11-30T13:00:05+01:00")) == "2026-11-30T12:00:05Z"

@@ -113,7 +113,11 @@ def iso(t: dt.datetime | None = None) -> str:
 
 
 def parse_iso(s: str | None) -> dt.datetime | None:
-    return dt.datetime.strptime(s, _ISO_FORMAT).replace(tzinfo=dt.UTC) if s else None
+    """Any RFC 3339 time (`...Z`, or `+00:00` as the Kubernetes client writes them), in UTC."""
+    if not s:
+        return None
+    t = dt.datetime.fromisoformat(s)
+    return (t if t.tzinfo else t.replace(tzinfo=dt.UTC)).astimezone(dt.UTC)
 
 
 # --- the progress report ------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Failure policy, pure: what broke the current attempt, whether it is permanent, a disruption, or a hang.
+
+A disruption is the infrastructure taking pods away (an eviction or preemption the API server marks
+with a DisruptionTarget condition, a lost node, or the trainer's exit 75 after it was asked to stop and
+checkpointed). By default it restarts the gang without using `backoffLimit`, as Jobs and JobSet do.
+Every time here is the operator's clock; the trainer's own timestamps are only shown.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sharded_operator.models import (
+    ConditionType,
+    FailureInfo,
+    Phase,
+    ShardedTrainingJob,
+    ShardedTrainingJobStatus,
+)
+from sharded_operator.views import POD_FINISHED, Observed
+from sharded_trainer.contract import ExitCode, iso, parse_iso
+
+# Reasons of failures that are disruptions whatever their exit code.
+DISRUPTION_REASONS = frozenset({"NodeLost", "Evicted", "DisruptionTarget", "Preempted"})
+# How long a vanished pod waits for its deletion event (which says why it went) before it counts anyway.
+MISSING_GRACE_SECONDS = 5
+
+
+def missing_pods(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed) -> list[str]:
+    """Pods the current attempt should have but the API server no longer lists."""
+    if status.phase not in (Phase.STARTING, Phase.RUNNING):
+        return []
+    present = {p.index for p in obs.pods if p.attempt == status.attempt}
+    return [f"{job.metadata['name']}-{i}" for i in range(job.spec.nodes) if i not in present]
+
+
+def is_permanent(job: ShardedTrainingJob, failure: FailureInfo) -> bool:
+    """An exit code the policy names permanent, or one outside an explicit retryable list."""
+    fp = job.spec.failure_policy
+    if failure.exit_code is None:  # evicted, deleted, node lost, hang: the infrastructure, not the code
+        return False
+    if failure.exit_code in fp.permanent_exit_codes:
+        return True
+    return fp.retryable_exit_codes is not None and failure.exit_code not in fp.retryable_exit_codes
+
+
+def is_disruption(failure: FailureInfo) -> bool:
+    return failure.reason in DISRUPTION_REASONS or failure.exit_code == ExitCode.PREEMPTED
+
+
+def current_failures(
+    job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed, now: dt.datetime
+) -> list[FailureInfo]:
+    """Every sign that the current attempt is broken, one per pod, each with the time it happened."""
+    ts = iso(now)
+    current = [p for p in obs.pods if p.attempt == status.attempt]
+    out = []
+    for p in sorted(current, key=lambda p: p.index):
+        where = {"pod": p.name, "node": p.node, "node_rank": p.index, "attempt": status.attempt}
+        if p.phase == "Failed":
+            reason = "DisruptionTarget" if p.disruption and p.exit_code != ExitCode.PREEMPTED else None
+            out.append(FailureInfo(
+                **where, exit_code=p.exit_code, reason=reason or p.reason or "Error",
+                message=p.message or p.disruption or f"trainer container exited with code {p.exit_code}",
+                time=p.finished_at or ts,
+            ))  # fmt: skip
+        elif obs.nodes is not None and p.node and p.node not in obs.nodes and p.phase not in POD_FINISHED:
+            out.append(FailureInfo(**where, reason="NodeLost", message=f"node {p.node} no longer exists", time=ts))
+        elif p.deleting and p.phase not in POD_FINISHED:
+            if p.disruption:
+                reason, message = "DisruptionTarget", p.disruption
+            else:
+                reason, message = "PodDeleted", "pod is being deleted (by a user or a controller)"
+            out.append(FailureInfo(**where, reason=reason, message=message, time=p.deleted_at or ts))
+    for name in missing_pods(job, status, obs):
+        index = int(name.rsplit("-", 1)[1])
+        last = obs.departed.get(name)
+        last = last if last and last.attempt == status.attempt else None
+        since = parse_iso(obs.missing_since.get(name))
+        if last is None and (since is None or (now - since).total_seconds() < MISSING_GRACE_SECONDS):
+            continue  # why it went is not known yet
+        if last and last.disruption:
+            reason, message = "DisruptionTarget", last.disruption
+        else:
+            reason, message = "PodDeleted", f"pod {name} disappeared"
+        out.append(FailureInfo(
+            pod=name, node=last.node if last else None, node_rank=index, reason=reason, message=message,
+            attempt=status.attempt, time=ts,
+        ))  # fmt: skip
+    return out
+
+
+def first_failure(job: ShardedTrainingJob, failures: list[FailureInfo]) -> FailureInfo | None:
+    """The failure that ends the attempt: a permanent one anywhere wins; otherwise the first in time."""
+    permanent = [f for f in failures if is_permanent(job, f)]
+    candidates = permanent or failures
+    return min(candidates, key=lambda f: (f.time or "", f.node_rank or 0), default=None)
+
+
+def hang(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime) -> FailureInfo | None:
+    """No new report of this attempt for `hangTimeoutSeconds`, or none at all `startupTimeoutSeconds`
+    after every pod ran. An attempt that never reports (a custom script) is never declared hung."""
+    fp = job.spec.failure_policy
+    if status.phase != Phase.RUNNING:
+        return None
+    progress = status.progress
+    if progress and progress.attempt == status.attempt and progress.observed_at:
+        quiet = (now - parse_iso(progress.observed_at)).total_seconds()
+        if fp.hang_timeout_seconds and quiet > fp.hang_timeout_seconds:
+            message = f"no new progress report for {quiet:.0f}s (hangTimeoutSeconds {fp.hang_timeout_seconds})"
+            return FailureInfo(reason="Hang", message=message, attempt=status.attempt, time=iso(now))
+        return None
+    running_since = parse_iso(next((c.last_transition_time for c in status.conditions
+                                    if c.type == ConditionType.RUNNING and c.status == "True"), None))  # fmt: skip
+    if fp.startup_timeout_seconds and running_since:
+        waited = (now - running_since).total_seconds()
+        if waited > fp.startup_timeout_seconds:
+            message = (
+                f"no progress report {waited:.0f}s after every pod ran (startupTimeoutSeconds "
+                f"{fp.startup_timeout_seconds})"
+            )
+            return FailureInfo(reason="StartupTimeout", message=message, attempt=status.attempt, time=iso(now))
+    return None

@@ -1,0 +1,87 @@
+"""What reconcile observes, reduced to what decisions need: pods of a job, the nodes, rank 0's report."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from sharded_operator.models import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX
+from sharded_trainer.contract import ProgressReport, iso, parse_iso
+
+# Kubernetes pod phases (the pod's, not the job's).
+POD_FINISHED = ("Succeeded", "Failed")
+
+
+def _normal(t: str | None) -> str | None:
+    """One spelling of times, so they compare as strings (the client writes +00:00, the API server Z)."""
+    parsed = parse_iso(t)
+    return iso(parsed) if parsed else None
+
+
+def _deletion_requested(meta: dict[str, Any]) -> str | None:
+    """deletionTimestamp is when the grace period ends; the request was that grace earlier."""
+    end = parse_iso(meta.get("deletionTimestamp"))
+    if end is None:
+        return None
+    return iso(end - dt.timedelta(seconds=meta.get("deletionGracePeriodSeconds") or 0))
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What reconcile needs to know about one pod."""
+
+    name: str
+    index: int
+    attempt: int
+    phase: str
+    node: str | None = None
+    deleting: bool = False
+    ready: bool = False
+    exit_code: int | None = None
+    reason: str | None = None
+    message: str = ""
+    disruption: str | None = None  # why the API server marked the pod DisruptionTarget, if it did
+    finished_at: str | None = None  # when the trainer container terminated
+    deleted_at: str | None = None  # when the pod's deletion was requested
+
+    @classmethod
+    def from_pod(cls, pod: dict[str, Any]) -> PodView:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        term = None
+        for cs in status.get("containerStatuses") or []:
+            if cs.get("name") == CONTAINER or term is None:
+                term = (cs.get("state") or {}).get("terminated") or term
+        conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
+        target = conditions.get("DisruptionTarget")
+        labels = meta.get("labels") or {}
+        return cls(
+            name=meta["name"],
+            index=int(labels.get(LABEL_INDEX, -1)),
+            attempt=int(labels.get(LABEL_ATTEMPT, 0)),
+            phase=status.get("phase") or "Pending",
+            node=(pod.get("spec") or {}).get("nodeName"),
+            deleting=bool(meta.get("deletionTimestamp")),
+            ready="Ready" in conditions,
+            exit_code=term.get("exitCode") if term else None,
+            reason=(term or {}).get("reason") or status.get("reason"),
+            message=(term or {}).get("message") or status.get("message") or "",
+            disruption=f"{target.get('reason')}: {target.get('message', '')}".rstrip(": ") if target else None,
+            finished_at=_normal((term or {}).get("finishedAt")),
+            deleted_at=_deletion_requested(meta),
+        )
+
+
+@dataclass(frozen=True)
+class Observed:
+    pods: list[PodView]
+    nodes: set[str] | None = None  # names of existing nodes; None if not known
+    progress: ProgressReport | None = None  # latest report of rank 0
+    # The last state of pods already gone from the API server, as their deletion event carried it: a pod
+    # deleted at once (grace 0, or no kubelet) is never listed while Terminating.
+    departed: dict[str, PodView] = field(default_factory=dict)
+    # When each pod of the current attempt was first found missing (its deletion event may still be on
+    # its way: the watch and the list are not ordered).
+    missing_since: dict[str, str] = field(default_factory=dict)
+
+

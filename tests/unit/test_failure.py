@@ -1,0 +1,239 @@
+"""Failure policy as tables: hangs on the operator's clock, disruptions apart from failures, which failure is
+reported, and the deadline across suspension."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from jobs import make_job
+from sharded_operator.status import decide
+from sharded_operator.views import Observed, PodView
+from sharded_trainer.contract import ProgressReport, iso
+
+NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+GRACE = {"restart": 30, "suspend": 120}
+
+
+def ago(seconds: float) -> str:
+    return iso(NOW - dt.timedelta(seconds=seconds))
+
+
+def pods(n: int, phase: str = "Running", attempt: int = 1) -> list[PodView]:
+    return [PodView(name=f"j-{i}", index=i, attempt=attempt, phase=phase, node=f"node-{i}") for i in range(n)]
+
+
+def running(attempt: int = 1, running_for: float = 60, **status):
+    """A job whose attempt `attempt` has had every pod running for `running_for` seconds."""
+    cond = {"type": "Running", "status": "True", "reason": "AllNodesRunning", "lastTransitionTime": ago(running_for)}
+    return make_job().nodes(2).status(
+        **{"attempt": attempt, "phase": "Running", "startTime": ago(3600), "conditions": [cond], **status}
+    )
+
+
+def reported(attempt: int, seconds_ago: float, step: int = 5, updated_at: str | None = None) -> dict:
+    """status.progress as the operator wrote it when it saw a report `seconds_ago`."""
+    at = ago(seconds_ago)
+    return {"step": step, "attempt": attempt, "updatedAt": updated_at or at, "observedAt": at}
+
+
+def report(attempt: int, step: int, updated_at: str) -> ProgressReport:
+    return ProgressReport.model_validate({
+        "uid": "uid-j", "namespace": "default", "name": "j", "attempt": attempt, "run": "r", "step": step,
+        "updatedAt": updated_at,
+    })  # fmt: skip
+
+
+def decide_on(job, observed: list[PodView] | None = None, progress: ProgressReport | None = None, nodes=None):
+    return decide(job.model(), Observed(pods=pods(2) if observed is None else observed, nodes=nodes,
+                                        progress=progress), NOW, GRACE)  # fmt: skip
+
+
+# --- hangs -------------------------------------------------------------------------------------------
+
+
+def test_an_attempt_that_stops_reporting_is_restarted_as_hung():
+    job = running(progress=reported(1, 400)).spec("failurePolicy.hangTimeoutSeconds", 300)
+    plan = decide_on(job)
+    assert plan.status.phase == "Restarting" and plan.status.last_failure.reason == "Hang"
+    assert plan.status.restarts == 1  # a hang is a failure, not a disruption
+
+
+def test_a_new_report_resets_the_hang_timer_on_the_operators_clock():
+    job = running(progress=reported(1, 400)).spec("failurePolicy.hangTimeoutSeconds", 300)
+    plan = decide_on(job, progress=report(1, step=6, updated_at=ago(400)))  # the trainer's clock is behind
+    assert plan.status.phase == "Running" and plan.status.progress.observed_at == iso(NOW)
+    # The same report seen again does not count as progress.
+    job = running(progress=reported(1, 400, step=6)).spec("failurePolicy.hangTimeoutSeconds", 300)
+    same = decide_on(job, progress=report(1, step=6, updated_at=ago(400)))
+    assert same.status.phase == "Restarting"
+
+
+def test_a_trainer_clock_in_the_future_does_not_hide_a_hang():
+    job = running(progress=reported(1, 400, updated_at="2099-01-01T00:00:00Z"))
+    assert decide_on(job.spec("failurePolicy.hangTimeoutSeconds", 300)).status.last_failure.reason == "Hang"
+
+
+@pytest.mark.parametrize(
+    "case,status",
+    [
+        # resumed after a suspension longer than the timeout: the report is the previous attempt's
+        ("after-resume", {"attempt": 2, "progress": reported(1, 5000)}),
+        # restarted after a hang: the new attempt has not reported yet
+        ("after-hang-restart", {"attempt": 3, "restarts": 1, "progress": reported(2, 900)}),
+        # a custom script that never reports
+        ("never-reports", {"attempt": 1}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_an_attempt_that_has_not_reported_is_never_hung(case, status):
+    job = running(running_for=5000, **status).spec("failurePolicy.hangTimeoutSeconds", 300)
+    plan = decide_on(job, pods(2, attempt=status["attempt"]))
+    assert plan.status.phase == "Running", plan.status.message
+
+
+def test_startup_timeout_bounds_the_wait_for_the_first_report():
+    job = running(running_for=700).spec("failurePolicy.startupTimeoutSeconds", 600)
+    plan = decide_on(job)
+    assert plan.status.phase == "Restarting" and plan.status.last_failure.reason == "StartupTimeout"
+    early = running(running_for=500).spec("failurePolicy.startupTimeoutSeconds", 600)
+    assert decide_on(early).status.phase == "Running"
+    reporting = running(running_for=700, progress=reported(1, 10)).spec("failurePolicy.startupTimeoutSeconds", 600)
+    assert decide_on(reporting).status.phase == "Running"
+
+
+# --- disruptions --------------------------------------------------------------------------------------
+
+
+def evicted(index: int = 1) -> PodView:
+    return PodView(
+        name=f"j-{index}", index=index, attempt=1, phase="Running", node=f"node-{index}", deleting=True,
+        disruption="EvictionByEvictionAPI: Eviction API: evicting", deleted_at=ago(5),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "victim,reason",
+    [
+        (evicted(), "DisruptionTarget"),
+        (PodView(name="j-1", index=1, attempt=1, phase="Failed", node="node-1", exit_code=75, reason="Error"), "Error"),
+        (PodView(name="j-1", index=1, attempt=1, phase="Running", node="gone"), "NodeLost"),
+        (PodView(name="j-1", index=1, attempt=1, phase="Failed", node="node-1", reason="Evicted"), "Evicted"),
+    ],
+    ids=["eviction", "stopped-after-checkpoint", "node-lost", "kubelet-eviction"],
+)
+def test_a_disruption_restarts_without_using_the_failure_budget(victim, reason):
+    job = running(restarts=3).spec("failurePolicy.backoffLimit", 3)
+    plan = decide_on(job, [pods(1)[0], victim], nodes={"node-0", "node-1"})
+    assert plan.status.phase == "Restarting", plan.status.message
+    assert (plan.status.restarts, plan.status.disruptions, plan.status.attempt) == (3, 1, 2)
+    assert plan.status.last_failure.reason == reason
+    counting = job.spec("failurePolicy.countDisruptions", True)
+    counted = decide_on(counting, [pods(1)[0], victim], nodes={"node-0", "node-1"})
+    assert counted.status.phase == "Failed" and counted.status.message.endswith("3 restarts used")
+
+
+def test_a_pod_deleted_by_a_person_is_a_failure():
+    deleted = PodView(name="j-1", index=1, attempt=1, phase="Running", node="node-1", deleting=True)
+    plan = decide_on(running(), [pods(1)[0], deleted])
+    assert plan.status.restarts == 1 and plan.status.disruptions == 0
+
+
+def test_a_permanent_exit_code_anywhere_wins_over_an_earlier_failure():
+    gang = [
+        PodView(name="j-0", index=0, attempt=1, phase="Running", node="node-0", deleting=True, deleted_at=ago(60)),
+        *pods(4)[1:3],
+        PodView(name="j-3", index=3, attempt=1, phase="Failed", node="node-3", exit_code=2, finished_at=ago(1)),
+    ]
+    plan = decide_on(running().nodes(4), gang)
+    assert plan.status.phase == "Failed" and plan.status.last_failure.pod == "j-3"
+
+
+def test_the_first_failure_in_time_is_the_one_reported():
+    gang = [
+        PodView(name="j-0", index=0, attempt=1, phase="Failed", node="node-0", exit_code=1, finished_at=ago(1)),
+        PodView(name="j-1", index=1, attempt=1, phase="Failed", node="node-1", exit_code=137, finished_at=ago(9)),
+    ]
+    failure = decide_on(running(), gang).status.last_failure
+    assert (failure.pod, failure.exit_code, failure.time) == ("j-1", 137, ago(9))
+
+
+# --- the deadline -------------------------------------------------------------------------------------
+
+
+def test_active_deadline_does_not_count_suspended_time():
+    suspended = make_job().nodes(2).status(attempt=1, phase="Suspended", startTime=ago(5000), activeSince=ago(5000))
+    plan = decide_on(suspended.spec("runPolicy.activeDeadlineSeconds", 600), [])
+    assert plan.status.phase == "Starting" and plan.status.active_since == iso(NOW) and plan.create == [0, 1]
+    still = running(startTime=ago(5000), activeSince=ago(500)).spec("runPolicy.activeDeadlineSeconds", 600)
+    assert decide_on(still).status.phase == "Running"
+    late = running(startTime=ago(5000), activeSince=ago(700)).spec("runPolicy.activeDeadlineSeconds", 600)
+    assert decide_on(late).status.phase == "Failed"
+
+
+# --- what the API server says about a pod ---------------------------------------------------------------
+
+
+def test_pod_view_reads_disruption_termination_and_deletion_times():
+    pod = {
+        "metadata": {
+            "name": "j-1", "labels": {"training.sharded.dev/node-index": "1", "training.sharded.dev/attempt": "2"},
+            "deletionTimestamp": "2026-01-01T12:00:30Z", "deletionGracePeriodSeconds": 30,
+        },
+        "spec": {"nodeName": "n1"},
+        "status": {
+            "phase": "Failed",
+            "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+                            "message": "preempted by a higher-priority pod"}],
+            "containerStatuses": [{"name": "trainer", "state": {"terminated": {
+                "exitCode": 75, "reason": "Error", "finishedAt": "2026-01-01T12:00:10Z"}}}],
+        },
+    }  # fmt: skip
+    view = PodView.from_pod(pod)
+    assert (view.index, view.attempt, view.exit_code) == (1, 2, 75)
+    assert view.disruption == "PreemptionByScheduler: preempted by a higher-priority pod"
+    assert view.finished_at == "2026-01-01T12:00:10Z" and view.deleted_at == "2026-01-01T12:00:00Z"
+
+
+# --- refusals by the API server -------------------------------------------------------------------------
+
+
+def test_a_refused_create_sets_a_condition_and_one_event_until_creates_go_through():
+    from sharded_operator.status import record_refusal
+
+    plan = decide_on(running(), [])
+    record_refusal(plan, ("Forbidden", "Pod j-0: exceeded quota: pods=1"), iso(NOW))
+    cond = next(c for c in plan.status.conditions if c.type == "CreateRefused")
+    assert (cond.status, cond.reason, cond.message) == ("True", "Forbidden", "Pod j-0: exceeded quota: pods=1")
+    assert ("Warning", "FailedCreate", "Pod j-0: exceeded quota: pods=1") in plan.events
+    assert "exceeded quota" in plan.status.message
+
+    again = decide_on(make_job().nodes(2).status(**plan.status.model_dump(by_alias=True, mode="json")), [])
+    record_refusal(again, ("Forbidden", "Pod j-0: exceeded quota: pods=1"), iso(NOW))
+    assert not [e for e in again.events if e[1] == "FailedCreate"], "the same refusal is announced once"
+    record_refusal(again, None, iso(NOW))
+    assert next(c for c in again.status.conditions if c.type == "CreateRefused").status == "False"
+
+
+def test_a_pod_deleted_at_once_is_judged_by_its_last_state():
+    """No kubelet, or grace 0: the pod is gone before any list shows it Terminating; its deletion event
+    carried why."""
+    last = PodView(name="j-1", index=1, attempt=1, phase="Running", node="node-1", disruption="DeletionByPodGC: x")
+    plan = decide(running().model(), Observed(pods=pods(1), departed={"j-1": last}), NOW, GRACE)
+    assert (plan.status.restarts, plan.status.disruptions) == (0, 1)
+    assert plan.status.last_failure.reason == "DisruptionTarget" and plan.status.last_failure.node == "node-1"
+    stale = PodView(name="j-1", index=1, attempt=0, phase="Running", disruption="DeletionByPodGC: x")
+    plan = decide(running().model(), Observed(pods=pods(1), departed={"j-1": stale}), NOW, GRACE)
+    assert plan.status.phase == "Running", "a previous attempt's departure says nothing about this one"
+    long_gone = Observed(pods=pods(1), departed={"j-1": stale}, missing_since={"j-1": ago(10)})
+    assert decide(running().model(), long_gone, NOW, GRACE).status.restarts == 1
+
+
+def test_a_vanished_pod_waits_briefly_for_its_deletion_event_then_counts():
+    """The list can show a pod gone before the watch delivers the event that says why it went."""
+    assert decide(running().model(), Observed(pods=pods(1)), NOW, GRACE).status.phase == "Running"
+    just = Observed(pods=pods(1), missing_since={"j-1": ago(2)})
+    assert decide(running().model(), just, NOW, GRACE).status.phase == "Running"
+    gone = decide(running().model(), Observed(pods=pods(1), missing_since={"j-1": ago(6)}), NOW, GRACE)
+    assert gone.status.last_failure.reason == "PodDeleted" and gone.status.restarts == 1

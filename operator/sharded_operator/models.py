@@ -187,7 +187,7 @@ class Progress(StatusModel):
     tokens_per_second: float | None = Field(None, description="Throughput over all processes.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs).")
     updated_at: str | None = Field(None, description="When rank 0 wrote this report, by its own clock (RFC 3339).")
-    attempt: int | None = Field(None, description="Attempt the report came from.")
+    attempt: int | None = Field(None, ge=0, description="Attempt the report came from.")
     observed_at: str | None = Field(
         None, description="When the operator first saw this report (its clock; hang detection counts from here)."
     )

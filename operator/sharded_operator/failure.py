@@ -64,8 +64,8 @@ def current_failures(
                 message=p.message or p.disruption or f"trainer container exited with code {p.exit_code}",
                 time=p.finished_at or ts,
             ))  # fmt: skip
-        elif obs.nodes is not None and p.node and p.node not in obs.nodes and p.phase not in POD_FINISHED:
-            out.append(FailureInfo(**where, reason="NodeLost", message=f"node {p.node} no longer exists", time=ts))
+        elif (lost := node_lost(job, obs, p.node, now)) and p.phase not in POD_FINISHED:
+            out.append(FailureInfo(**where, reason="NodeLost", message=lost, time=ts))
         elif p.deleting and p.phase not in POD_FINISHED:
             if p.disruption:
                 reason, message = "DisruptionTarget", p.disruption
@@ -88,6 +88,29 @@ def current_failures(
             attempt=status.attempt, time=ts,
         ))  # fmt: skip
     return out
+
+
+def node_lost(job: ShardedTrainingJob, obs: Observed, node: str | None, now: dt.datetime) -> str | None:
+    """Why `node` counts as lost (deleted, or not Ready for nodeLostSeconds), or None."""
+    if obs.nodes is None or not node:
+        return None
+    view = obs.nodes.get(node)
+    if view is None:
+        return f"node {node} no longer exists"
+    limit = job.spec.failure_policy.node_lost_seconds
+    since = parse_iso(view.since)
+    if not view.ready and since and (now - since).total_seconds() >= limit:
+        return f"node {node} has not been Ready for {(now - since).total_seconds():.0f}s (nodeLostSeconds {limit})"
+    return None
+
+
+def stuck_on_lost_nodes(job: ShardedTrainingJob, obs: Observed, now: dt.datetime) -> list[str]:
+    """Pods being deleted past their grace on a lost node: no kubelet will ever confirm them gone, and the
+    next attempt reuses their names."""
+    return [
+        p.name for p in obs.pods
+        if p.deleting and p.grace_ends and parse_iso(p.grace_ends) <= now and node_lost(job, obs, p.node, now)
+    ]  # fmt: skip
 
 
 def first_failure(job: ShardedTrainingJob, failures: list[FailureInfo]) -> FailureInfo | None:

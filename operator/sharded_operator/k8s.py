@@ -76,8 +76,8 @@ class Kube:
         return [self._dict(p) for p in pods.items]
 
     @retrying
-    def node_names(self) -> set[str]:
-        return {n.metadata.name for n in self.core.list_node().items}
+    def nodes(self) -> list[dict[str, Any]]:
+        return [self._dict(n) for n in self.core.list_node().items]
 
     @retrying
     def create(self, namespace: str, obj: dict[str, Any]) -> bool:

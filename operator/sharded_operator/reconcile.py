@@ -18,7 +18,7 @@ from sharded_operator.k8s import Kube, MissingAPI, Refused
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.settings import OperatorSettings
 from sharded_operator.status import decide, record_refusal, set_phase
-from sharded_operator.views import Observed, PodView
+from sharded_operator.views import NodeView, Observed, PodView
 from sharded_operator.web import Metrics, ProgressStore
 from sharded_trainer.config import format_validation_error
 from sharded_trainer.contract import iso
@@ -76,7 +76,8 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         pods = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
         key = f"{namespace}/{name}"
         departed = ctx.departed.get(key, {})
-        observed = Observed(pods=pods, nodes=ctx.kube.node_names(), progress=ctx.progress.get(uid), departed=departed)
+        nodes = {n["metadata"]["name"]: NodeView.from_node(n) for n in ctx.kube.nodes()}
+        observed = Observed(pods=pods, nodes=nodes, progress=ctx.progress.get(uid), departed=departed)
         now = dt.datetime.now(dt.UTC)
         seen_missing = ctx.missing.get(key, {})
         ctx.missing[key] = {p: seen_missing.get(p, iso(now)) for p in missing_pods(job, job.status, observed)}
@@ -87,9 +88,12 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         for pod_name in [n for n, v in departed.items() if v.attempt < plan.status.attempt]:
             del departed[pod_name]
 
-        # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods)
+        # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods), and force
+        #    out pods a lost node will never confirm gone
         for pod in plan.delete:
             ctx.kube.delete_pod(namespace, pod, plan.grace_seconds)
+        for pod in plan.force_delete:
+            ctx.kube.delete_pod(namespace, pod, 0)
         # 2. children the pods need, then the pods of the current attempt
         if plan.create:
             refusal = None

@@ -196,6 +196,11 @@ class FailurePolicy(ApiModel):
         None, ge=60, le=604800,
         description="Restart the gang when no progress report arrives this long after every pod is running.",
     )
+    node_lost_seconds: int = Field(
+        60, ge=10, le=3600,
+        description="A node whose Ready condition has been False or Unknown this long is lost: its pods' attempt "
+        "restarts elsewhere, and its pods still terminating after their grace are force-deleted.",
+    )
     count_disruptions: bool = Field(
         False,
         description="Count disruptions (evictions, preemption, node loss, a stop after a final checkpoint) against "

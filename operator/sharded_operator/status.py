@@ -16,6 +16,7 @@ from sharded_operator.failure import (
     is_disruption,
     is_permanent,
     missing_pods,
+    stuck_on_lost_nodes,
 )
 from sharded_operator.models import (
     FINISHED,
@@ -48,6 +49,7 @@ class Plan:
     status: ShardedTrainingJobStatus
     create: list[int] = field(default_factory=list)  # node indices of the current attempt
     delete: list[str] = field(default_factory=list)  # pod names
+    force_delete: list[str] = field(default_factory=list)  # pod names to delete with grace 0
     grace_seconds: int | None = None
     delete_job: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
@@ -110,6 +112,9 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     spec = job.spec
     status.observed_generation = job.metadata.get("generation")
     plan = Plan(status=status)
+    plan.force_delete = stuck_on_lost_nodes(job, obs, now)
+    for pod in plan.force_delete:
+        plan.events.append(("Warning", "ForceDeleted", f"pod {pod} is on a lost node: deleted without its grace"))
 
     if status.phase in FINISHED:
         return _finished(job, plan, obs, now)

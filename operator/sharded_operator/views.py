@@ -44,6 +44,7 @@ class PodView:
     disruption: str | None = None  # why the API server marked the pod DisruptionTarget, if it did
     finished_at: str | None = None  # when the trainer container terminated
     deleted_at: str | None = None  # when the pod's deletion was requested
+    grace_ends: str | None = None  # when its grace period ends (deletionTimestamp)
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
@@ -69,13 +70,29 @@ class PodView:
             disruption=f"{target.get('reason')}: {target.get('message', '')}".rstrip(": ") if target else None,
             finished_at=_normal((term or {}).get("finishedAt")),
             deleted_at=_deletion_requested(meta),
+            grace_ends=_normal(meta.get("deletionTimestamp")),
         )
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node's readiness: `since` is when its Ready condition last changed (RFC 3339)."""
+
+    ready: bool = True
+    since: str | None = None
+
+    @classmethod
+    def from_node(cls, node: dict[str, Any]) -> NodeView:
+        ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
+        if ready is None:
+            return cls(ready=False)
+        return cls(ready=ready.get("status") == "True", since=_normal(ready.get("lastTransitionTime")))
 
 
 @dataclass(frozen=True)
 class Observed:
     pods: list[PodView]
-    nodes: set[str] | None = None  # names of existing nodes; None if not known
+    nodes: dict[str, NodeView] | None = None  # existing nodes by name; None if not known
     progress: ProgressReport | None = None  # latest report of rank 0
     # The last state of pods already gone from the API server, as their deletion event carried it: a pod
     # deleted at once (grace 0, or no kubelet) is never listed while Terminating.

@@ -12,6 +12,7 @@ from kubernetes.client.rest import ApiException
 from conftest import wait_for
 from jobs import make_job
 from sharded_operator.models import GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION
+from sharded_trainer.contract import iso
 
 pytestmark = pytest.mark.integration
 
@@ -44,13 +45,13 @@ class Ops:
             lambda: (s := self.status(name)).get("phase") == phase and s, timeout=timeout, what=f"phase {phase}"
         )
 
-    def wait_running_attempt(self, attempt: int, nodes: int, name="j") -> list:
+    def wait_running_attempt(self, attempt: int, nodes: int, name="j", timeout: float = 60) -> list:
         def ready():
             pods = [p for p in self.pods(name) if p.metadata.labels[LABEL_ATTEMPT] == str(attempt)]
             ok = len(pods) == nodes and all(p.status.phase == "Running" for p in pods)
             return ok and self.status(name).get("phase") == "Running" and pods
 
-        return wait_for(ready, timeout=60, what=f"attempt {attempt} running")
+        return wait_for(ready, timeout=timeout, what=f"attempt {attempt} running")
 
     def exit(self, pod: str, code: int, reason: str | None = None) -> None:
         ann = {"kwok.sharded.dev/exit-code": str(code)}
@@ -141,6 +142,34 @@ def test_node_loss_restarts_the_gang_on_remaining_nodes(ops, cluster, core):
         assert (status["restarts"], status["disruptions"]) == (0, 1)  # a disruption, not a failure
     finally:
         cluster.add_gpu_node(lost)
+
+
+def test_a_node_that_stops_reporting_is_lost_and_its_stuck_pod_is_forced_out(ops, core):
+    """A node whose kubelet died: Ready goes Unknown, nothing confirms its pods' deletion. The attempt
+    restarts elsewhere as a disruption, and the pod left Terminating past its grace is force-deleted."""
+    ops.create(gpu_job().spec("failurePolicy.nodeLostSeconds", 10))
+    victim = next(p for p in ops.wait_running_attempt(1, 2) if p.metadata.name == "j-1")
+    lost = victim.spec.node_name
+    core.patch_namespaced_pod("j-1", ops.ns, {"metadata": {"annotations": {"kwok.sharded.dev/stuck": "true"}}})
+    down = {"metadata": {"annotations": {"kwok.sharded.dev/down": "true"}}, "spec": {"unschedulable": True}}
+    core.patch_node(lost, down)
+    now = iso()
+    core.patch_node_status(lost, {"status": {"conditions": [{
+        "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown", "message": "Kubelet stopped posting.",
+        "lastHeartbeatTime": now, "lastTransitionTime": now,
+    }]}})  # fmt: skip
+    core.delete_namespaced_pod("j-1", ops.ns, grace_period_seconds=2)  # as the taint manager would
+    try:
+        second = ops.wait_running_attempt(2, 2, timeout=90)
+        assert lost not in {p.spec.node_name for p in second}
+        status = ops.status()
+        assert status["lastFailure"]["reason"] == "NodeLost" and "not been Ready" in status["lastFailure"]["message"]
+        assert (status["restarts"], status["disruptions"]) == (0, 1)
+        reasons = [e.reason for e in core.list_namespaced_event(ops.ns).items]
+        assert "ForceDeleted" in reasons
+    finally:
+        up = {"metadata": {"annotations": {"kwok.sharded.dev/down": None}}, "spec": {"unschedulable": False}}
+        core.patch_node(lost, up)
 
 
 def test_an_eviction_restarts_the_gang_without_using_the_failure_budget(ops, core):

@@ -9,7 +9,7 @@ import pytest
 
 from jobs import make_job
 from sharded_operator.status import decide
-from sharded_operator.views import Observed, PodView
+from sharded_operator.views import NodeView, Observed, PodView
 from sharded_trainer.contract import ProgressReport, iso
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
@@ -125,12 +125,12 @@ def evicted(index: int = 1) -> PodView:
 )
 def test_a_disruption_restarts_without_using_the_failure_budget(victim, reason):
     job = running(restarts=3).spec("failurePolicy.backoffLimit", 3)
-    plan = decide_on(job, [pods(1)[0], victim], nodes={"node-0", "node-1"})
+    plan = decide_on(job, [pods(1)[0], victim], nodes={"node-0": NodeView(), "node-1": NodeView()})
     assert plan.status.phase == "Restarting", plan.status.message
     assert (plan.status.restarts, plan.status.disruptions, plan.status.attempt) == (3, 1, 2)
     assert plan.status.last_failure.reason == reason
     counting = job.spec("failurePolicy.countDisruptions", True)
-    counted = decide_on(counting, [pods(1)[0], victim], nodes={"node-0", "node-1"})
+    counted = decide_on(counting, [pods(1)[0], victim], nodes={"node-0": NodeView(), "node-1": NodeView()})
     assert counted.status.phase == "Failed" and counted.status.message.endswith("3 restarts used")
 
 
@@ -237,3 +237,50 @@ def test_a_vanished_pod_waits_briefly_for_its_deletion_event_then_counts():
     assert decide(running().model(), just, NOW, GRACE).status.phase == "Running"
     gone = decide(running().model(), Observed(pods=pods(1), missing_since={"j-1": ago(6)}), NOW, GRACE)
     assert gone.status.last_failure.reason == "PodDeleted" and gone.status.restarts == 1
+
+
+# --- lost nodes ------------------------------------------------------------------------------------------
+
+
+def node(ready: bool, seconds: float) -> NodeView:
+    return NodeView(ready=ready, since=ago(seconds))
+
+
+@pytest.mark.parametrize(
+    "nodes,lost",
+    [
+        ({"node-0": node(True, 900)}, True),  # node-1 deleted
+        ({"node-0": node(True, 900), "node-1": node(False, 61)}, True),  # NotReady past nodeLostSeconds
+        ({"node-0": node(True, 900), "node-1": node(False, 30)}, False),  # a blip
+        ({"node-0": node(True, 900), "node-1": node(True, 1)}, False),
+    ],
+    ids=["deleted", "not-ready-too-long", "not-ready-briefly", "ready"],
+)
+def test_a_node_is_lost_when_deleted_or_not_ready_for_node_lost_seconds(nodes, lost):
+    plan = decide_on(running(), nodes=nodes)
+    assert (plan.status.phase == "Restarting") is lost
+    if lost:
+        assert plan.status.last_failure.reason == "NodeLost" and plan.status.disruptions == 1
+
+
+def test_pods_stuck_terminating_on_a_lost_node_are_force_deleted_after_their_grace():
+    stuck = PodView(
+        name="j-1", index=1, attempt=1, phase="Running", node="node-1", deleting=True, deleted_at=ago(40),
+        grace_ends=ago(10),
+    )  # fmt: skip
+    lost = {"node-0": node(True, 900), "node-1": node(False, 120)}
+    job = make_job().nodes(2).status(attempt=2, phase="Restarting", restarts=0, disruptions=1)
+    plan = decide_on(job, [stuck], nodes=lost)
+    assert plan.force_delete == ["j-1"] and plan.create == []  # the next attempt waits for the name
+    assert ("Warning", "ForceDeleted", "pod j-1 is on a lost node: deleted without its grace") in plan.events
+    in_grace = PodView(**{**stuck.__dict__, "grace_ends": iso(NOW + dt.timedelta(seconds=5))})
+    assert decide_on(job, [in_grace], nodes=lost).force_delete == []
+    healthy = {"node-0": node(True, 900), "node-1": node(True, 900)}
+    assert decide_on(job, [stuck], nodes=healthy).force_delete == [], "a live kubelet finishes the deletion itself"
+
+
+def test_node_view_reads_the_ready_condition():
+    view = NodeView.from_node({"status": {"conditions": [
+        {"type": "Ready", "status": "Unknown", "lastTransitionTime": "2026-01-01T11:58:00+00:00"}]}})  # fmt: skip
+    assert (view.ready, view.since) == (False, "2026-01-01T11:58:00Z")
+    assert NodeView.from_node({}).ready is False

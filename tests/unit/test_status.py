@@ -8,7 +8,7 @@ import pytest
 
 from jobs import make_job
 from sharded_operator.status import decide
-from sharded_operator.views import Observed, PodView
+from sharded_operator.views import NodeView, Observed, PodView
 from sharded_trainer.contract import ProgressReport, TrainerEventType, iso
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
@@ -115,8 +115,8 @@ def test_next_attempt_starts_only_after_the_old_pods_are_gone():
 )
 def test_lost_pods_and_nodes_restart_the_gang(observed, reason):
     missing = {"j-1": iso(NOW - dt.timedelta(seconds=30))}
-    plan = decide(running().model(), Observed(pods=observed, nodes={"node-0", "node-1"}, missing_since=missing), NOW,
-                  GRACE)  # fmt: skip
+    nodes = {"node-0": NodeView(), "node-1": NodeView()}
+    plan = decide(running().model(), Observed(pods=observed, nodes=nodes, missing_since=missing), NOW, GRACE)
     assert plan.status.phase == "Restarting" and plan.status.last_failure.reason == reason
     assert plan.status.last_failure.exit_code is None
 

@@ -379,11 +379,12 @@ class NodeAgent:
         self.runs.pop(run.uid, None)
 
     def _kill(self, run: PodRun, grace: float) -> None:
-        """SIGTERM the pod's process group, wait up to `grace` seconds, then SIGKILL."""
+        """SIGTERM the container's main process only, as the kubelet does; wait up to `grace` seconds,
+        then SIGKILL everything the pod runs."""
         if not run.proc or run.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.proc.pid, signal.SIGTERM)
+            os.kill(run.proc.pid, signal.SIGTERM)
         try:
             run.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:

@@ -7,17 +7,25 @@ node waits (bounded) until the rendezvous host resolves and, on nodes other than
 connections: the DNS and connect races at start-up are the most reported failure of multi-node jobs.
 The exit code is the workers' own where they agree (2: invalid config, 75: stopped after a final
 checkpoint), because torchrun itself reports any worker failure as 1.
+
+SIGTERM is handled at any moment, as PID 1 of a container must (the kernel drops signals PID 1 has no
+handler for): during the wait it ends the wait (exit 75: nothing to save yet); once training runs it
+goes to the workers themselves, and torchrun is told only after they have exited, because torchrun
+kills its workers 30 s after its own SIGTERM whatever the pod's grace period: the final checkpoint gets
+all of the grace.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +37,10 @@ def log(msg: str) -> None:
     print(f"[launch] {msg}", file=sys.stderr, flush=True)
 
 
-def wait_for_endpoint(host: str, port: int, *, connect: bool, timeout: float, interval: float = 1.0) -> bool:
-    """Until `host` resolves (and, if `connect`, accepts TCP on `port`) or `timeout` passes."""
+def wait_for_endpoint(
+    host: str, port: int, *, connect: bool, timeout: float, interval: float = 1.0, stop: threading.Event | None = None
+) -> bool:
+    """Until `host` resolves (and, if `connect`, accepts TCP on `port`), `timeout` passes, or `stop` is set."""
     deadline = time.monotonic() + timeout
     next_note = 0.0
     while True:
@@ -49,10 +59,67 @@ def wait_for_endpoint(host: str, port: int, *, connect: bool, timeout: float, in
         if now >= deadline:
             log(f"giving up after {timeout:.0f}s: {problem}")
             return False
+        if stop is not None and stop.is_set():
+            return False
         if now >= next_note:
             log(f"waiting for the rendezvous endpoint: {problem}; {deadline - now:.0f}s left")
             next_note = now + 10
-        time.sleep(interval)
+        if stop is not None:
+            stop.wait(interval)
+        else:
+            time.sleep(interval)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's workers), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces and parentheses: the parent pid follows the last ')'.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+class Stop:
+    """SIGTERM or SIGINT: ends the wait for the rendezvous, or goes to the workers and then to torchrun."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.torchrun: subprocess.Popen | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def run(self, cmd: list[str], env: dict[str, str]) -> int:
+        """torchrun's exit code; a stop that came just before it started still reaches its workers."""
+        self.torchrun = subprocess.Popen(cmd, env=env)
+        if self.requested.is_set():
+            self._forward(signal.SIGTERM)
+        return self.torchrun.wait()
+
+    def _handle(self, signum, _frame) -> None:
+        first = not self.requested.is_set()
+        self.requested.set()
+        if self.torchrun is not None and first:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        threading.Thread(target=self._stop_workers, args=(signum,), daemon=True).start()
+
+    def _stop_workers(self, signum: int) -> None:
+        assert self.torchrun is not None
+        workers = children(self.torchrun.pid)
+        log(f"stopping: signal {signum} to {len(workers)} workers; torchrun once they have exited")
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        while any(Path(f"/proc/{pid}").exists() and pid in children(self.torchrun.pid) for pid in workers):
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            self.torchrun.send_signal(signum)
 
 
 def record_exit(code: int) -> int:
@@ -83,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sharded_trainer.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
+    stop = Stop()
     try:
         load_config(args.config)
     except ConfigError as e:
@@ -96,21 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         host, _, port = endpoint.rpartition(":")
         # Node 0 hosts the c10d store: it needs its own name to resolve (torchrun checks whether the
         # endpoint is local); the others also need the store to accept connections.
-        if not wait_for_endpoint(host, int(port), connect=node_rank != 0, timeout=timeout):
+        reachable = wait_for_endpoint(host, int(port), connect=node_rank != 0, timeout=timeout, stop=stop.requested)
+        if stop.requested.is_set():
+            log("stopped while waiting for the rendezvous: nothing to save yet")
+            return ExitCode.PREEMPTED
+        if not reachable:
             return ExitCode.RENDEZVOUS_UNREACHABLE
         log(f"rendezvous endpoint {endpoint} reachable; starting torchrun as node {node_rank}")
 
     target = command or ["-m", "sharded_trainer", "--config", args.config]
     with tempfile.TemporaryDirectory(prefix="sharded-exit-") as exit_dir:
         env = {**os.environ, PodEnv.EXIT_DIR: exit_dir}
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *target], env=env)
-
-        def forward(signum, _frame):  # the kubelet's SIGTERM: torchrun passes it on to the workers
-            proc.send_signal(signum)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, forward)
-        rc = proc.wait()
+        rc = stop.run([sys.executable, "-m", "torch.distributed.run", *target], env)
         code = exit_code(rc, Path(exit_dir))
     log(f"torchrun exited {rc}; exiting {code}")
     return code

@@ -1,0 +1,80 @@
+"""The pod's entry point under a real torchrun: SIGTERM to it alone (as the kubelet sends it to PID 1) at any
+moment, and the final checkpoint gets the whole grace period."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers.torchrun_jobs import ROOT, write_config
+from localcluster import free_port
+from sharded_trainer.checkpoint import committed_steps
+from sharded_trainer.contract import ExitCode, PodEnv
+
+pytestmark = pytest.mark.trainer
+
+
+def launch(config, env: dict[str, str], command: list[str] | None = None) -> subprocess.Popen:
+    """`python -m sharded_trainer.launch` as a pod runs it, in a session of its own: signals sent to its pid
+    reach it alone, never its children."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "sharded_trainer.launch", "--config", str(config), *(["--", *command] * bool(command))],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+
+
+def one_node(port: int) -> dict[str, str]:
+    return {
+        PodEnv.NNODES: "1", PodEnv.NPROC_PER_NODE: "2", PodEnv.NODE_RANK: "0", PodEnv.RDZV_BACKEND: "c10d",
+        PodEnv.RDZV_ENDPOINT: f"127.0.0.1:{port}", PodEnv.RDZV_ID: "launch-test", PodEnv.MAX_RESTARTS: "0",
+    }  # fmt: skip
+
+
+def test_sigterm_to_the_launcher_alone_yields_a_final_checkpoint_and_exit_75(tmp_path):
+    config = write_config(tmp_path, steps=100000, **{"checkpoint.interval": 100000})
+    proc = launch(config, one_node(free_port()))
+    progress = tmp_path / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (progress.exists() and json.loads(progress.read_text())["step"] >= 3):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher only: torchrun and the workers hear it from the launcher
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.PREEMPTED, out[-3000:]
+    assert "stopping: signal 15 to 2 workers" in out
+    steps = committed_steps(tmp_path / "ckpt")
+    assert steps and steps[-1] >= 3, out[-3000:]  # the interval never came: this is the final checkpoint
+
+
+def test_sigterm_while_waiting_for_the_rendezvous_ends_the_wait_at_once(tmp_path):
+    config = write_config(tmp_path)
+    env = {**one_node(free_port()), PodEnv.NODE_RANK: "1", PodEnv.RDZV_ENDPOINT: "rendezvous.invalid:29400"}
+    proc = launch(config, env)
+    time.sleep(2)  # in the wait: the name does not resolve
+    assert proc.poll() is None
+    started = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == ExitCode.PREEMPTED, out
+    assert "stopped while waiting for the rendezvous" in out and time.monotonic() - started < 10
+
+
+def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path):
+    """torchrun kills its workers 30 s after its own SIGTERM; the launcher tells torchrun only once they are done."""
+    config = write_config(tmp_path)
+    script = [str(ROOT / "tests" / "helpers" / "slow_stop.py"), "--out", str(tmp_path)]
+    proc = launch(config, one_node(free_port()), script)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(tmp_path.glob("started-*"))) < 2:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], out[-3000:]
+    assert proc.returncode == ExitCode.PREEMPTED, out[-3000:]

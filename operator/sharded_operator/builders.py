@@ -80,6 +80,12 @@ def rendezvous_endpoint(job: ShardedTrainingJob) -> str:
     return f"{rendezvous_host(job)}:{rendezvous_port(job)}"
 
 
+def termination_grace(job: ShardedTrainingJob, settings: OperatorSettings) -> int:
+    """Seconds a stopped pod has for its final checkpoint: the job's own, else the operator's default."""
+    own = job.spec.run_policy.termination_grace_seconds
+    return settings.suspend_grace_seconds if own is None else own
+
+
 def shm_size(job: ShardedTrainingJob) -> str:
     """/dev/shm: the spec's size, else half the pod's memory (NCCL and data loaders live there), else 2Gi."""
     s = job.spec
@@ -282,7 +288,7 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
         "hostname": pod_name(job, index),
         "subdomain": _name(job),
         "restartPolicy": "Never",  # the operator restarts the whole gang, never one pod
-        "terminationGracePeriodSeconds": settings.suspend_grace_seconds,
+        "terminationGracePeriodSeconds": termination_grace(job, settings),
         "enableServiceLinks": False,
         # Training needs no API access: progress goes to the operator over HTTP, not through the API.
         "automountServiceAccountToken": False,

@@ -218,6 +218,11 @@ class RunPolicy(ApiModel):
     ttl_seconds_after_finished: int | None = Field(
         None, ge=0, description="Delete the job this long after it succeeded or failed."
     )
+    termination_grace_seconds: int | None = Field(
+        None, ge=0, le=86400,
+        description="The pods' grace period: how long the trainer has for its final checkpoint when a pod is "
+        "stopped (suspend, eviction, drain). Unset uses the operator's default (suspendGraceSeconds).",
+    )
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "Running", description="Pods deleted when the job ends: None, Running (still running ones) or All."
     )

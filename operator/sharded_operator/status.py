@@ -132,7 +132,8 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
 
     if spec.run_policy.suspend:
         plan.delete = [p.name for p in obs.pods if not p.deleting]
-        plan.grace_seconds = grace["suspend"]
+        own = spec.run_policy.termination_grace_seconds
+        plan.grace_seconds = grace["suspend"] if own is None else own
         if status.phase != Phase.SUSPENDED:
             plan.events.append(("Normal", "Suspended", "deleting pods; the trainer checkpoints on SIGTERM"))
         set_phase(status, Phase.SUSPENDED, "Suspended", "suspended: pods deleted, resume by setting suspend false", ts)

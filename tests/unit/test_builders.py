@@ -164,3 +164,10 @@ def test_headless_service_publishes_not_ready_addresses():
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {builders.LABEL_JOB: "x"}
+
+
+def test_the_final_checkpoint_gets_the_jobs_own_grace_period():
+    default = builders.build_pod(make_job("llm").model(), 0, 1, SETTINGS)
+    assert default["spec"]["terminationGracePeriodSeconds"] == SETTINGS.suspend_grace_seconds
+    own = make_job("llm").spec("runPolicy.terminationGraceSeconds", 900).model()
+    assert builders.build_pod(own, 0, 1, SETTINGS)["spec"]["terminationGracePeriodSeconds"] == 900

@@ -284,3 +284,9 @@ def test_node_view_reads_the_ready_condition():
         {"type": "Ready", "status": "Unknown", "lastTransitionTime": "2026-01-01T11:58:00+00:00"}]}})  # fmt: skip
     assert (view.ready, view.since) == (False, "2026-01-01T11:58:00Z")
     assert NodeView.from_node({}).ready is False
+
+
+def test_suspend_deletes_pods_with_the_jobs_own_grace():
+    job = running().spec("runPolicy.suspend", True).spec("runPolicy.terminationGraceSeconds", 900)
+    assert decide_on(job).grace_seconds == 900
+    assert decide_on(running().spec("runPolicy.suspend", True)).grace_seconds == GRACE["suspend"]

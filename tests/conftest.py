@@ -82,6 +82,8 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30, interval: flo
 @pytest.fixture(scope="session")
 def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster.kubeconfig, log, RESTART_GRACE_SECONDS="0", SUSPEND_GRACE_SECONDS="5").start()
+    # A short restart grace: KWOK removes deleted pods at once anyway, but a pod left stuck (a dead kubelet)
+    # must outlive its grace before the operator may force it out.
+    op = OperatorProcess(cluster.kubeconfig, log, RESTART_GRACE_SECONDS="3", SUSPEND_GRACE_SECONDS="5").start()
     yield op
     op.stop()

@@ -75,7 +75,8 @@ def current_failures(
     for name in missing_pods(job, status, obs):
         index = int(name.rsplit("-", 1)[1])
         last = obs.departed.get(name)
-        last = last if last and last.attempt == status.attempt else None
+        ours = last is not None and last.owner_uid in (None, job.metadata.get("uid"))
+        last = last if last and ours and last.attempt == status.attempt else None
         since = parse_iso(obs.missing_since.get(name))
         if last is None and (since is None or (now - since).total_seconds() < MISSING_GRACE_SECONDS):
             continue  # why it went is not known yet

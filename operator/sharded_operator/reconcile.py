@@ -73,11 +73,13 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         except ValidationError as e:
             return _invalid(ctx, body, format_validation_error(e, prefix="spec."), logger)
         uid = body["metadata"]["uid"]
-        pods = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
+        labelled = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
+        pods = [p for p in labelled if p.owner_uid == uid]
         key = f"{namespace}/{name}"
         departed = ctx.departed.get(key, {})
         nodes = {n["metadata"]["name"]: NodeView.from_node(n) for n in ctx.kube.nodes()}
-        observed = Observed(pods=pods, nodes=nodes, progress=ctx.progress.get(uid), departed=departed)
+        foreign = [p.name for p in labelled if p.owner_uid != uid]
+        observed = Observed(pods=pods, nodes=nodes, progress=ctx.progress.get(uid), departed=departed, foreign=foreign)
         now = dt.datetime.now(dt.UTC)
         seen_missing = ctx.missing.get(key, {})
         ctx.missing[key] = {p: seen_missing.get(p, iso(now)) for p in missing_pods(job, job.status, observed)}
@@ -98,7 +100,9 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         if plan.create:
             refusal = None
             try:
-                _ensure_children(ctx, job, body)
+                if held := _ensure_children(ctx, job, body):
+                    plan.create = []  # the pods would mount or resolve the other job's objects
+                    plan.status.message = f"{held} of a deleted job of the same name still exists"
                 for index in plan.create:
                     pod = adopt(builders.build_pod(job, index, plan.status.attempt, ctx.settings), body)
                     if ctx.kube.create(namespace, pod):
@@ -133,10 +137,12 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         return plan.status
 
 
-def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]) -> None:
-    ns = body["metadata"]["namespace"]
-    ctx.kube.create(ns, adopt(builders.build_service(job), body))
-    ctx.kube.create(ns, adopt(builders.build_config_map(job, ctx.settings), body))
+def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]) -> str | None:
+    """Create what the pods need; returns a child whose name is still held by another job's object."""
+    ns, uid = body["metadata"]["namespace"], body["metadata"]["uid"]
+    for child in (builders.build_service(job), builders.build_config_map(job, ctx.settings)):
+        if not ctx.kube.create(ns, adopt(child, body)) and ctx.kube.owner_uid(ns, child) not in (uid, None):
+            return f"{child['kind']} {child['metadata']['name']}"
     if (group := builders.build_pod_group(job)) is not None:
         ctx.kube.create(ns, adopt(group, body))
     if (pvc := builders.build_pvc(job)) is not None:
@@ -145,6 +151,7 @@ def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]
             pvc = adopt(pvc, body)
         pvc["metadata"]["namespace"] = ns
         ctx.kube.create(ns, pvc)
+    return None
 
 
 def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.Logger) -> ShardedTrainingJobStatus:

@@ -146,6 +146,13 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         plan.events.append(("Normal", "Resumed", f"starting attempt {status.attempt}"))
         current, stale = [], list(obs.pods)
 
+    if obs.foreign:  # a job of this name was deleted and its pods are still going: never adopt or wait on them
+        set_phase(
+            status, status.phase or Phase.PENDING, "WaitingForPreviousJob",
+            f"pods {', '.join(sorted(obs.foreign))} of a deleted job of the same name still exist", ts,
+        )  # fmt: skip
+        return plan
+
     deadline = spec.run_policy.active_deadline_seconds
     active = parse_iso(status.active_since or status.start_time)
     if deadline and active and (now - active).total_seconds() > deadline:

@@ -13,6 +13,11 @@ from sharded_trainer.contract import ProgressReport, iso, parse_iso
 POD_FINISHED = ("Succeeded", "Failed")
 
 
+def controller_uid(meta: dict[str, Any]) -> str | None:
+    """The UID in an object's controller owner reference: which job, of all that had this name, made it."""
+    return next((r.get("uid") for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+
+
 def _normal(t: str | None) -> str | None:
     """One spelling of times, so they compare as strings (the client writes +00:00, the API server Z)."""
     parsed = parse_iso(t)
@@ -45,6 +50,7 @@ class PodView:
     finished_at: str | None = None  # when the trainer container terminated
     deleted_at: str | None = None  # when the pod's deletion was requested
     grace_ends: str | None = None  # when its grace period ends (deletionTimestamp)
+    owner_uid: str | None = None  # UID of the job that created it (its controller reference)
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
@@ -71,6 +77,7 @@ class PodView:
             finished_at=_normal((term or {}).get("finishedAt")),
             deleted_at=_deletion_requested(meta),
             grace_ends=_normal(meta.get("deletionTimestamp")),
+            owner_uid=controller_uid(meta),
         )
 
 
@@ -100,5 +107,8 @@ class Observed:
     # When each pod of the current attempt was first found missing (its deletion event may still be on
     # its way: the watch and the list are not ordered).
     missing_since: dict[str, str] = field(default_factory=dict)
+    # Pods with this job's name label made by another job of the same name (deleted, still terminating):
+    # they hold names this job's pods need.
+    foreign: list[str] = field(default_factory=list)
 
 

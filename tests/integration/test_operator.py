@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 import urllib.request
@@ -145,20 +146,20 @@ def test_node_loss_restarts_the_gang_on_remaining_nodes(ops, cluster, core):
 
 
 def test_a_node_that_stops_reporting_is_lost_and_its_stuck_pod_is_forced_out(ops, core):
-    """A node whose kubelet died: Ready goes Unknown, nothing confirms its pods' deletion. The attempt
-    restarts elsewhere as a disruption, and the pod left Terminating past its grace is force-deleted."""
+    """A node whose kubelet died: Ready went Unknown and nothing will confirm its pods' deletion. The
+    attempt restarts elsewhere as a disruption, and the pod left Terminating past its grace (the operator
+    deletes with a grace of 3 s here) is force-deleted so the next attempt can have its name."""
     ops.create(gpu_job().spec("failurePolicy.nodeLostSeconds", 10))
     victim = next(p for p in ops.wait_running_attempt(1, 2) if p.metadata.name == "j-1")
     lost = victim.spec.node_name
     core.patch_namespaced_pod("j-1", ops.ns, {"metadata": {"annotations": {"kwok.sharded.dev/stuck": "true"}}})
     down = {"metadata": {"annotations": {"kwok.sharded.dev/down": "true"}}, "spec": {"unschedulable": True}}
     core.patch_node(lost, down)
-    now = iso()
+    since = iso(dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30))  # it stopped reporting 30 s ago
     core.patch_node_status(lost, {"status": {"conditions": [{
         "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown", "message": "Kubelet stopped posting.",
-        "lastHeartbeatTime": now, "lastTransitionTime": now,
+        "lastHeartbeatTime": since, "lastTransitionTime": since,
     }]}})  # fmt: skip
-    core.delete_namespaced_pod("j-1", ops.ns, grace_period_seconds=2)  # as the taint manager would
     try:
         second = ops.wait_running_attempt(2, 2, timeout=90)
         assert lost not in {p.spec.node_name for p in second}
@@ -170,6 +171,30 @@ def test_a_node_that_stops_reporting_is_lost_and_its_stuck_pod_is_forced_out(ops
     finally:
         up = {"metadata": {"annotations": {"kwok.sharded.dev/down": None}}, "spec": {"unschedulable": False}}
         core.patch_node(lost, up)
+
+
+def test_a_job_created_again_under_its_name_waits_out_the_old_pods_and_never_adopts_them(ops, core, custom):
+    ops.create(gpu_job())
+    old_uid = ops.job()["metadata"]["uid"]
+    for pod in ops.wait_running_attempt(1, 2):  # the old job's pods will outlive it, Terminating
+        stuck = {"metadata": {"annotations": {"kwok.sharded.dev/stuck": "1"}}}
+        core.patch_namespaced_pod(pod.metadata.name, ops.ns, stuck)
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, "j", propagation_policy="Background")
+    wait_for(lambda: all(p.metadata.deletion_timestamp for p in ops.pods()), what="the old pods terminating")
+    ops.create(gpu_job())
+    new_uid = ops.job()["metadata"]["uid"]
+    assert new_uid != old_uid
+    status = wait_for(lambda: (s := ops.status()) and "of a deleted job of the same name" in s.get("message", "") and s,
+                      what="the new job waiting for the old pods")  # fmt: skip
+    time.sleep(3)  # several reconciles: still waiting, nothing counted, no pod of its own yet
+    status = ops.status()
+    assert (status["attempt"], status["restarts"], status.get("disruptions", 0)) == (1, 0, 0)
+    assert all(p.metadata.owner_references[0].uid == old_uid for p in ops.pods())
+    for pod in ops.pods():  # the old pods finally go
+        core.delete_namespaced_pod(pod.metadata.name, ops.ns, grace_period_seconds=0)
+    second = ops.wait_running_attempt(1, 2)
+    assert {p.metadata.owner_references[0].uid for p in second} == {new_uid}
+    assert ops.status()["restarts"] == 0
 
 
 def test_an_eviction_restarts_the_gang_without_using_the_failure_budget(ops, core):

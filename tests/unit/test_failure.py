@@ -290,3 +290,21 @@ def test_suspend_deletes_pods_with_the_jobs_own_grace():
     job = running().spec("runPolicy.suspend", True).spec("runPolicy.terminationGraceSeconds", 900)
     assert decide_on(job).grace_seconds == 900
     assert decide_on(running().spec("runPolicy.suspend", True)).grace_seconds == GRACE["suspend"]
+
+
+# --- a name used again ---------------------------------------------------------------------------------
+
+
+def test_pods_of_a_deleted_job_of_the_same_name_are_waited_out_never_adopted():
+    fresh = make_job().nodes(2)
+    plan = decide(fresh.model(), Observed(pods=[], foreign=["j-0", "j-1"]), NOW, GRACE)
+    assert plan.create == [] and plan.delete == [] and plan.status.restarts == 0
+    assert "of a deleted job of the same name" in plan.status.message
+    assert decide(fresh.model(), Observed(pods=[]), NOW, GRACE).create == [0, 1]
+
+
+def test_a_departure_of_another_job_of_the_same_name_says_nothing():
+    theirs = PodView(name="j-1", index=1, attempt=1, phase="Running", disruption="DeletionByPodGC: x", owner_uid="old")
+    observed = Observed(pods=pods(1), departed={"j-1": theirs}, missing_since={"j-1": ago(10)})
+    plan = decide(running().model(), observed, NOW, GRACE)
+    assert plan.status.last_failure.reason == "PodDeleted" and plan.status.disruptions == 0

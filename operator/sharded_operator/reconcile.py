@@ -35,6 +35,7 @@ class Context:
     locks: defaultdict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
     departed: dict[str, dict[str, PodView]] = field(default_factory=dict)  # "ns/job" -> pod name -> last view
     missing: dict[str, dict[str, str]] = field(default_factory=dict)  # "ns/job" -> pod name -> missing since
+    known: set[tuple[str, str]] = field(default_factory=set)  # (namespace, name) of every job seen: resynced
 
     def pod_gone(self, namespace: str, job: str, pod: dict[str, Any]) -> None:
         """Keep a deleted pod's last state (why it went) until a reconcile of its job has seen it."""
@@ -46,6 +47,7 @@ class Context:
         self.progress.forget(uid)
         self.departed.pop(f"{namespace}/{name}", None)
         self.missing.pop(f"{namespace}/{name}", None)
+        self.known.discard((namespace, name))
         self.metrics.observe_phase(uid, None)
 
 

@@ -274,6 +274,27 @@ def test_operator_killed_mid_reconcile_creates_no_duplicates(ops, operator):
     assert status["attempt"] == 1 and status["restarts"] == 0
 
 
+def test_a_job_can_be_deleted_while_the_operator_is_down(ops, operator, custom):
+    """No finalizer holds a job: kubectl delete stj completes whether or not the operator runs."""
+    ops.create(gpu_job())
+    ops.wait_running_attempt(1, 2)
+    assert not ops.job()["metadata"].get("finalizers")
+    operator.kill()
+    try:
+        custom.delete_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, "j")
+
+        def gone():
+            try:
+                ops.job()
+            except ApiException as e:
+                return e.status == 404
+            return False
+
+        wait_for(gone, timeout=15, what="the job to be gone with the operator down")
+    finally:
+        operator.start()
+
+
 def post_report(operator, report: dict) -> int:
     req = urllib.request.Request(f"{operator.url}/progress", data=json.dumps(report).encode(), method="POST")
     try:

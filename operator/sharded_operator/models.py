@@ -160,6 +160,7 @@ class ConditionType(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     CREATE_REFUSED = "CreateRefused"  # the API server refused a child (policy, quota, invalid object)
+    PODS_STUCK = "PodsStuck"  # a pod could not be scheduled or started for schedulingTimeoutSeconds
 
 
 class StatusModel(ApiModel):

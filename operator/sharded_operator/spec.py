@@ -196,6 +196,12 @@ class FailurePolicy(ApiModel):
         None, ge=60, le=604800,
         description="Restart the gang when no progress report arrives this long after every pod is running.",
     )
+    scheduling_timeout_seconds: int | None = Field(
+        None, ge=1, le=604800,
+        description="Raise the PodsStuck condition and an event when a pod stays unschedulable or cannot pull its "
+        "image for this long (the reason shows in status at once). Unset: wait quietly, as a job queued by Kueue or "
+        "a gang scheduler should.",
+    )
     node_lost_seconds: int = Field(
         60, ge=10, le=3600,
         description="A node whose Ready condition has been False or Unknown this long is lost: its pods' attempt "

@@ -30,7 +30,7 @@ from sharded_operator.models import (
     ShardedTrainingJobStatus,
     TrainerEventCursor,
 )
-from sharded_operator.views import POD_FINISHED, Observed
+from sharded_operator.views import POD_FINISHED, Observed, PodView
 from sharded_trainer.contract import ProgressReport, TrainerEventType, iso, parse_iso
 
 # The conditions set_phase keeps in step with the phase.
@@ -189,8 +189,33 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
             plan.events.append(("Normal", "Running", f"all {spec.nodes} nodes running (attempt {status.attempt})"))
         set_phase(status, Phase.RUNNING, "AllNodesRunning", f"attempt {status.attempt}: training", ts)
     else:
-        set_phase(status, Phase.STARTING, "PodsStarting", f"{len(running)}/{spec.nodes} nodes running", ts)
+        stuck = next((p for p in sorted(current, key=lambda p: p.index) if p.stuck and p.phase == "Pending"), None)
+        message = f"{len(running)}/{spec.nodes} nodes running" + (f"; pod {stuck.name}: {stuck.stuck}" if stuck else "")
+        set_phase(status, Phase.STARTING, "PodsStarting", message, ts)
+    record_stuck(plan, job, current, now)
     return plan
+
+
+def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], now: dt.datetime) -> None:
+    """PodsStuck: a pod unschedulable or unable to start for schedulingTimeoutSeconds, announced once."""
+    timeout, status = job.spec.failure_policy.scheduling_timeout_seconds, plan.status
+    if timeout is None:
+        return
+    stuck = [
+        p for p in sorted(current, key=lambda p: p.index)
+        if p.stuck and p.phase == "Pending" and (since := parse_iso(p.stuck_since))
+        and (now - since).total_seconds() >= timeout
+    ]  # fmt: skip
+    old = next((c for c in status.conditions if c.type == ConditionType.PODS_STUCK), None)
+    if not stuck:
+        if old and old.status == "True":
+            set_condition(status, ConditionType.PODS_STUCK, False, "PodsStarted", "", iso(now))
+        return
+    reason = stuck[0].stuck.split(":", 1)[0]
+    message = f"pod {stuck[0].name} stuck for more than {timeout}s: {stuck[0].stuck}"
+    if not (old and old.status == "True"):
+        plan.events.append(("Warning", "PodsStuck", message))
+    set_condition(status, ConditionType.PODS_STUCK, True, reason, message, iso(now))
 
 
 def _merge_report(plan: Plan, report: ProgressReport | None, now: str) -> None:

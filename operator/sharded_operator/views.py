@@ -13,6 +13,25 @@ from sharded_trainer.contract import ProgressReport, iso, parse_iso
 POD_FINISHED = ("Succeeded", "Failed")
 
 
+# Container waiting reasons that do not go away by waiting: the pod needs someone's attention.
+STUCK_WAITING = frozenset(
+    {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
+)
+
+
+def _stuck(status: dict[str, Any], meta: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(why, since when) a pod is not running: the scheduler's verdict or a container that cannot start."""
+    for c in status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason"):
+            return f"{c['reason']}: {c.get('message', '')}".rstrip(": "), _normal(c.get("lastTransitionTime"))
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_WAITING:
+            reason = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+            return reason, _normal(status.get("startTime") or meta.get("creationTimestamp"))
+    return None, None
+
+
 def controller_uid(meta: dict[str, Any]) -> str | None:
     """The UID in an object's controller owner reference: which job, of all that had this name, made it."""
     return next((r.get("uid") for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
@@ -51,6 +70,8 @@ class PodView:
     deleted_at: str | None = None  # when the pod's deletion was requested
     grace_ends: str | None = None  # when its grace period ends (deletionTimestamp)
     owner_uid: str | None = None  # UID of the job that created it (its controller reference)
+    stuck: str | None = None  # why a pod that should run does not: unschedulable, image pull, config
+    stuck_since: str | None = None
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
@@ -61,6 +82,7 @@ class PodView:
                 term = (cs.get("state") or {}).get("terminated") or term
         conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
         target = conditions.get("DisruptionTarget")
+        stuck, stuck_since = _stuck(status, meta)
         labels = meta.get("labels") or {}
         return cls(
             name=meta["name"],
@@ -78,6 +100,8 @@ class PodView:
             deleted_at=_deletion_requested(meta),
             grace_ends=_normal(meta.get("deletionTimestamp")),
             owner_uid=controller_uid(meta),
+            stuck=stuck,
+            stuck_since=stuck_since,
         )
 
 

@@ -295,6 +295,19 @@ def test_a_job_can_be_deleted_while_the_operator_is_down(ops, operator, custom):
         operator.start()
 
 
+def test_a_pod_no_node_can_take_explains_itself_and_raises_a_condition_after_the_timeout(ops, core):
+    ops.create(gpu_job(gpus=16).spec("failurePolicy.schedulingTimeoutSeconds", 3))  # nodes have 8 GPUs
+    status = wait_for(lambda: (s := ops.status()) and "Insufficient nvidia.com/gpu" in s.get("message", "") and s,
+                      what="the scheduler's reason in status")  # fmt: skip
+    assert status["phase"] == "Starting"
+    cond = wait_for(lambda: next((c for c in ops.status().get("conditions", [])
+                                  if c["type"] == "PodsStuck" and c["status"] == "True"), None),
+                    what="the PodsStuck condition")  # fmt: skip
+    assert cond["reason"] == "Unschedulable"
+    time.sleep(2)
+    assert len([e for e in core.list_namespaced_event(ops.ns).items if e.reason == "PodsStuck"]) == 1
+
+
 def post_report(operator, report: dict) -> int:
     req = urllib.request.Request(f"{operator.url}/progress", data=json.dumps(report).encode(), method="POST")
     try:

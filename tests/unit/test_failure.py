@@ -308,3 +308,47 @@ def test_a_departure_of_another_job_of_the_same_name_says_nothing():
     observed = Observed(pods=pods(1), departed={"j-1": theirs}, missing_since={"j-1": ago(10)})
     plan = decide(running().model(), observed, NOW, GRACE)
     assert plan.status.last_failure.reason == "PodDeleted" and plan.status.disruptions == 0
+
+
+# --- pods that cannot start -------------------------------------------------------------------------------
+
+
+def unschedulable(index: int, since: float) -> PodView:
+    why = "Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    return PodView(name=f"j-{index}", index=index, attempt=1, phase="Pending", stuck=why, stuck_since=ago(since))
+
+
+def test_why_a_pod_does_not_start_shows_in_status_at_once():
+    starting = make_job().nodes(2).status(attempt=1, phase="Starting", startTime=ago(5))
+    plan = decide_on(starting, [pods(1)[0], unschedulable(1, 1)])
+    assert plan.status.phase == "Starting" and "pod j-1: Unschedulable: 0/4 nodes" in plan.status.message
+    assert not [c for c in plan.status.conditions if c.type == "PodsStuck"], "no timeout set: it waits quietly"
+
+
+def test_a_pod_stuck_past_the_scheduling_timeout_raises_a_condition_and_one_event():
+    starting = make_job().nodes(2).status(attempt=1, phase="Starting", startTime=ago(600))
+    job = starting.spec("failurePolicy.schedulingTimeoutSeconds", 300)
+    early = decide_on(job, [pods(1)[0], unschedulable(1, 200)])
+    assert not [c for c in early.status.conditions if c.type == "PodsStuck"]
+    plan = decide_on(job, [pods(1)[0], unschedulable(1, 400)])
+    cond = next(c for c in plan.status.conditions if c.type == "PodsStuck")
+    assert (cond.status, cond.reason) == ("True", "Unschedulable") and "stuck for more than 300s" in cond.message
+    assert [e[1] for e in plan.events] == ["PodsStuck"]
+    job = job.status(**plan.status.model_dump(by_alias=True, mode="json"))
+    again = decide_on(job, [pods(1)[0], unschedulable(1, 405)])
+    assert not again.events, "announced once"
+    cleared = decide_on(job, pods(2))
+    assert next(c for c in cleared.status.conditions if c.type == "PodsStuck").status == "False"
+
+
+def test_pod_view_reads_why_a_pod_is_stuck():
+    unsched = {"metadata": {"name": "j-0", "labels": {}}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes",
+         "lastTransitionTime": "2026-01-01T11:00:00Z"}]}}  # fmt: skip
+    view = PodView.from_pod(unsched)
+    assert (view.stuck, view.stuck_since) == ("Unschedulable: 0/4 nodes", "2026-01-01T11:00:00Z")
+    waiting = {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}
+    pull = {"metadata": {"name": "j-0", "labels": {}}, "status": {
+        "phase": "Pending", "startTime": "2026-01-01T11:00:00Z",
+        "containerStatuses": [{"name": "trainer", "state": waiting}]}}  # fmt: skip
+    assert PodView.from_pod(pull).stuck == "ImagePullBackOff: Back-off pulling image"

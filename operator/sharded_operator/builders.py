@@ -7,6 +7,7 @@ Every variable a pod gets is named in `sharded_trainer.contract.PodEnv`.
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 import zlib
 from decimal import Decimal
@@ -45,7 +46,14 @@ def pvc_name(job: ShardedTrainingJob) -> str:
 
 
 def config_map_name(job: ShardedTrainingJob) -> str:
-    return f"{_name(job)}-config"
+    """`<job>-config-<hash of the trainer config>`: a pod mounts the config its attempt was created with,
+    so an edit of the spec takes effect at the next attempt and never under a running one."""
+    return f"{_name(job)}-config-{config_digest(job)}"
+
+
+def config_digest(job: ShardedTrainingJob) -> str:
+    rendered = trainer_config(job).model_dump_json(by_alias=True, exclude_none=True)
+    return hashlib.sha256(rendered.encode()).hexdigest()[:10]
 
 
 def procs_per_node(job: ShardedTrainingJob, settings: OperatorSettings) -> int:

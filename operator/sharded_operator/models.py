@@ -98,6 +98,12 @@ class ShardedTrainingJobSpec(ApiModel):
             "message": "strategy.type is immutable after creation: FSDP and ZeRO-2 checkpoints are not interchangeable",
             "fieldPath": ".strategy.type",
         },
+        {
+            "rule": "self.nodes == oldSelf.nodes || (has(oldSelf.runPolicy) && oldSelf.runPolicy.suspend)",
+            "message": "nodes can change only while the job is suspended (runPolicy.suspend: true): a running gang "
+            "has a fixed size",
+            "fieldPath": ".nodes",
+        },
     )
 
     nodes: int = Field(1, ge=1, le=1024, description="Pods (one torchrun agent each, one per node).")

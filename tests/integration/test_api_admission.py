@@ -98,3 +98,19 @@ def test_short_name_and_printer_columns(cluster, crd_installed, custom, namespac
     header = out.splitlines()[0].split()
     assert header == ["NAME", "PHASE", "READY", "STRATEGY", "STEP", "RESTARTS", "CHECKPOINT", "AGE"]
     assert out.splitlines()[1].split()[0] == "quickstart"
+
+
+def test_nodes_change_only_while_suspended(custom, crd_installed, namespace):
+    created = create(custom, namespace, load_example())
+    with pytest.raises(ApiException) as exc:
+        custom.replace_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(created, {"spec.nodes": 3})
+        )
+    assert "nodes can change only while the job is suspended" in json.loads(exc.value.body)["message"]
+    suspended = custom.replace_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(created, {"spec.runPolicy": {"suspend": True}})
+    )
+    resized = custom.replace_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(suspended, {"spec.nodes": 3})
+    )
+    assert resized["spec"]["nodes"] == 3

@@ -79,7 +79,8 @@ def test_job_runs_on_gpu_nodes_and_succeeds(ops, core):
     assert {p.spec.node_name for p in pods}.__len__() >= 1
     svc = core.read_namespaced_service("j", ops.ns)
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
-    assert core.read_namespaced_config_map("j-config", ops.ns).data["trainer.yaml"]
+    config = pods[0].spec.volumes[0].config_map.name
+    assert config.startswith("j-config-") and core.read_namespaced_config_map(config, ops.ns).data["trainer.yaml"]
     status = ops.status()
     assert status["ready"] == "3/3" and status["attempt"] == 1
     for p in pods:
@@ -306,6 +307,33 @@ def test_a_pod_no_node_can_take_explains_itself_and_raises_a_condition_after_the
     assert cond["reason"] == "Unschedulable"
     time.sleep(2)
     assert len([e for e in core.list_namespaced_event(ops.ns).items if e.reason == "PodsStuck"]) == 1
+
+
+def test_a_trainer_edit_takes_effect_at_the_next_attempt_never_under_a_running_one(ops, core):
+    ops.create(gpu_job())
+    first = ops.wait_running_attempt(1, 2)
+    old = first[0].spec.volumes[0].config_map.name
+    ops.patch_spec({"trainer": {"steps": 77}})
+    time.sleep(2)  # several reconciles: the running pods keep the config they started with
+    assert {p.spec.volumes[0].config_map.name for p in ops.pods()} == {old}
+    assert "steps: 10" in core.read_namespaced_config_map(old, ops.ns).data["trainer.yaml"]
+    ops.exit("j-1", 1)
+    second = ops.wait_running_attempt(2, 2)
+    new = {p.spec.volumes[0].config_map.name for p in second}
+    assert len(new) == 1 and old not in new
+    assert "steps: 77" in core.read_namespaced_config_map(new.pop(), ops.ns).data["trainer.yaml"]
+
+
+def test_a_suspended_job_resumes_with_its_new_node_count(ops):
+    ops.create(gpu_job(nodes=2))
+    ops.wait_running_attempt(1, 2)
+    ops.patch_spec({"runPolicy": {"suspend": True}})
+    ops.wait_phase("Suspended")
+    ops.patch_spec({"nodes": 3})
+    ops.patch_spec({"runPolicy": {"suspend": False}})
+    pods = ops.wait_running_attempt(2, 3)
+    assert sorted(p.metadata.name for p in pods) == ["j-0", "j-1", "j-2"]
+    assert ops.status()["ready"] == "3/3" and ops.status()["restarts"] == 0
 
 
 def post_report(operator, report: dict) -> int:

@@ -171,3 +171,15 @@ def test_the_final_checkpoint_gets_the_jobs_own_grace_period():
     assert default["spec"]["terminationGracePeriodSeconds"] == SETTINGS.suspend_grace_seconds
     own = make_job("llm").spec("runPolicy.terminationGraceSeconds", 900).model()
     assert builders.build_pod(own, 0, 1, SETTINGS)["spec"]["terminationGracePeriodSeconds"] == 900
+
+
+def test_a_spec_edit_reaches_the_next_attempts_pods_only():
+    """Each attempt's pods mount the config they were created with: the name carries the config's hash."""
+    job = make_job("llm").model()
+    edited = make_job("llm").spec("trainer.steps", 999).model()
+    before, after = builders.config_map_name(job), builders.config_map_name(edited)
+    assert before.startswith("llm-config-") and before != after
+    assert builders.config_map_name(make_job("llm").spec("runPolicy.suspend", True).model()) == before
+    pod = builders.build_pod(edited, 0, 2, SETTINGS)
+    assert {"name": "trainer-config", "configMap": {"name": after}} in pod["spec"]["volumes"]
+    assert builders.build_config_map(edited, SETTINGS)["metadata"]["name"] == after

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.trainer
 def launch(config, env: dict[str, str], command: list[str] | None = None) -> subprocess.Popen:
     """`python -m sharded_trainer.launch` as a pod runs it, in a session of its own: signals sent to its pid
     reach it alone, never its children."""
+    script = ["--", *command] if command else []
     return subprocess.Popen(
-        [sys.executable, "-m", "sharded_trainer.launch", "--config", str(config), *(["--", *command] * bool(command))],
+        [sys.executable, "-m", "sharded_trainer.launch", "--config", str(config), *script],
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
     )  # fmt: skip
@@ -78,3 +79,29 @@ def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], out[-3000:]
     assert proc.returncode == ExitCode.PREEMPTED, out[-3000:]
+
+
+def test_an_old_writer_that_wakes_up_after_a_newer_one_started_cannot_commit(tmp_path):
+    """Two trainers on one checkpoint directory, as a partitioned old attempt and its replacement: the one
+    that started later takes the next generation on the claim, and the older one's next commit is refused."""
+    config = write_config(tmp_path, steps=100000, **{"checkpoint.interval": 5})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    old = subprocess.Popen([sys.executable, "-m", "sharded_trainer", "--config", str(config)], env=env, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not committed_steps(tmp_path / "ckpt"):
+        time.sleep(0.05)
+    resumed_from = committed_steps(tmp_path / "ckpt")[-1]
+    new = subprocess.run(
+        [sys.executable, "-m", "sharded_trainer", "--config", str(config), f"steps={resumed_from + 400}"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out, _ = old.communicate(timeout=120)
+    assert old.returncode == ExitCode.FENCED, out[-3000:]
+    assert '"event": "fenced"' in out and "is not committed" in out
+    assert new.returncode == 0, new.stdout[-3000:]
+    newest = committed_steps(tmp_path / "ckpt")[-1]
+    marker = json.loads((tmp_path / "ckpt" / f"step-{newest:08d}" / "COMMITTED").read_text())
+    assert newest == resumed_from + 400 and marker["generation"] == 2
+    # Whatever the old writer left half-written is swept by the newer one.
+    assert not list((tmp_path / "ckpt").glob("step-*.g1"))

@@ -115,8 +115,9 @@ def test_crash_during_save_leaves_the_previous_checkpoint_loadable(reference, tm
     config = write_config(tmp_path, **{"strategy.type": strategy})
     crashed = run_job(tmp_path, config, script=[str(ROOT / "tests" / "helpers" / "crash_in_save.py")])
     assert crashed.returncodes != [0, 0]
-    partial = step_dir(tmp_path / "ckpt", 20)
-    assert partial.is_dir() and not (partial / MARKER).exists()
+    assert not step_dir(tmp_path / "ckpt", 20).exists()  # never renamed into place
+    partial = next((tmp_path / "ckpt").glob("step-00000020.g*"))  # written, never committed
+    assert not (partial / MARKER).exists()
     assert committed_steps(tmp_path / "ckpt") == [10]
 
     resumed = run_job(tmp_path, config)

@@ -2,6 +2,9 @@
 
 Layout (names in `contract`) of `<root>/step-00000040/`: the strategy's state (its own format),
 `trainer.json` (step, data position, world size), `rng/rank-N.pt`, and finally the `COMMITTED` marker.
+A save is written into `step-00000040.g<generation>/` and renamed into place at its commit, and only
+the newest writer generation on the claim may commit (`fence`): an old attempt that wakes up late
+writes only into its own directory and stops at its commit.
 A directory without the marker (a crash mid-save, a pod killed while writing) is never loaded and is
 swept away by the next save, so the newest committed checkpoint always survives.
 """
@@ -19,8 +22,13 @@ import torch
 import torch.distributed as dist
 
 from sharded_trainer.config import CheckpointConfig
-from sharded_trainer.contract import MARKER, TRAINER_STATE, iso, parse_step_dir, step_dir_name
+from sharded_trainer.contract import MARKER, TRAINER_STATE, WRITING_INFIX, iso, parse_step_dir, step_dir_name
+from sharded_trainer.fence import claim_generation, newest_generation
 from sharded_trainer.process_group import DistEnv
+
+
+class Fenced(RuntimeError):
+    """A newer writer generation started on the claim: this one must not commit."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -82,6 +90,15 @@ class CheckpointManager:
         self.root = Path(cfg.dir) if cfg.dir else None
         self.pending: Pending | None = None
         self.last_committed: dict | None = None
+        self.generation = 0
+        if self.root is not None:  # training starts: take the claim's next generation, on every rank
+            taken = [claim_generation(self.root) if env.is_main else None]
+            dist.broadcast_object_list(taken, src=0)
+            self.generation = int(taken[0])
+
+    def _writing_dir(self, step: int) -> Path:
+        assert self.root is not None
+        return self.root / f"{step_dir_name(step)}{WRITING_INFIX}{self.generation}"
 
     @property
     def enabled(self) -> bool:
@@ -96,9 +113,9 @@ class CheckpointManager:
             return False
         assert self.root is not None
         self.wait()  # at most one save in flight: the previous one commits before the next starts
-        directory = step_dir(self.root, step)
+        directory = self._writing_dir(step)
         if self.env.is_main:
-            if directory.exists():  # an uncommitted leftover of a crashed attempt at this step
+            if directory.exists():  # this generation's own leftover: a save at this step that failed
                 shutil.rmtree(directory)
             (directory / "rng").mkdir(parents=True)
         dist.barrier()
@@ -123,14 +140,24 @@ class CheckpointManager:
     def _commit(self, step: int, state: dict) -> None:
         assert self.root is not None
         dist.barrier()  # every rank's shards are on disk before the marker says so
-        directory = step_dir(self.root, step)
+        writing, directory = self._writing_dir(step), step_dir(self.root, step)
+        newest = [newest_generation(self.root) if self.env.is_main else None]
+        dist.broadcast_object_list(newest, src=0)
+        if int(newest[0]) > self.generation:
+            raise Fenced(
+                f"generation {newest[0]} started on {self.root} after this writer's {self.generation}: "
+                f"the save of step {step} is not committed"
+            )
         committed_at = iso()
         if self.env.is_main:
-            _write_atomic(directory / TRAINER_STATE, json.dumps(state, indent=2).encode())
-            _fsync_dir(directory)
-            marker = {"step": step, "time": committed_at}
-            _write_atomic(directory / MARKER, json.dumps(marker).encode())
-            _fsync_dir(directory)
+            _write_atomic(writing / TRAINER_STATE, json.dumps(state, indent=2).encode())
+            marker = {"step": step, "time": committed_at, "generation": self.generation}
+            _write_atomic(writing / MARKER, json.dumps(marker).encode())
+            _fsync_dir(writing)
+            if directory.exists():  # an older save at this step, committed or not: the newer one wins
+                shutil.rmtree(directory)
+            os.replace(writing, directory)
+            _fsync_dir(self.root)
             self._purge()
         self.last_committed = {"step": step, "path": str(directory), "time": committed_at}
         dist.barrier()
@@ -146,10 +173,17 @@ class CheckpointManager:
         for d in self.root.iterdir():
             s = parse_step_dir(d.name)
             if s is None:
+                self._purge_writing(d)
                 continue
             committed = is_committed(d)
             if (committed and s not in keep) or (not committed and s < newest):
                 shutil.rmtree(d, ignore_errors=True)
+
+    def _purge_writing(self, d: Path) -> None:
+        """Saves older generations never committed: they can only be a fenced writer's."""
+        name, _, generation = d.name.rpartition(WRITING_INFIX)
+        if parse_step_dir(name) is not None and generation.isdigit() and int(generation) < self.generation:
+            shutil.rmtree(d, ignore_errors=True)
 
     def load_latest(self, strategy) -> dict | None:
         """Restore the newest committed checkpoint into `strategy`; returns its trainer state, or None."""

@@ -77,6 +77,7 @@ class ExitCode(IntEnum):
     INVALID_CONFIG = 2  # the config failed validation: permanent by default in failurePolicy
     RENDEZVOUS_UNREACHABLE = 3  # the startup barrier gave up waiting for the rendezvous endpoint
     PREEMPTED = 75  # stopped by SIGTERM after committing a final checkpoint: resume me
+    FENCED = 76  # a newer writer owns the checkpoints: this one stopped without committing
 
 
 CONFIG_DIR = "/etc/sharded"
@@ -88,6 +89,10 @@ STEP_DIR_PREFIX = "step-"
 _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d{{8}})$")
 MARKER = "COMMITTED"
 TRAINER_STATE = "trainer.json"
+# Writer generations on the claim: one empty file per training start, the newest owns the checkpoints.
+FENCE_DIR = ".generations"
+# A save is written into `step-NNNNNNNN.g<generation>` and renamed to the step directory at its commit.
+WRITING_INFIX = ".g"
 
 
 def step_dir_name(step: int) -> str:

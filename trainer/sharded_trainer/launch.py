@@ -136,8 +136,8 @@ def exit_code(torchrun_rc: int, exit_dir: Path) -> int:
     codes = [int(p.read_text() or "1") for p in exit_dir.glob("rank-*")]
     if ExitCode.INVALID_CONFIG in codes:
         return ExitCode.INVALID_CONFIG
-    if codes and all(c == ExitCode.PREEMPTED for c in codes):
-        return ExitCode.PREEMPTED
+    if codes and len(set(codes)) == 1:  # e.g. every rank stopped after its final checkpoint, or was fenced
+        return codes[0] if codes[0] else torchrun_rc
     return torchrun_rc
 
 

@@ -8,7 +8,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from sharded_trainer.checkpoint import CheckpointManager
+from sharded_trainer.checkpoint import CheckpointManager, Fenced
 from sharded_trainer.config import TrainerConfig
 from sharded_trainer.contract import ExitCode, TrainerEventType
 from sharded_trainer.data import ShardedLoader, TokenSource
@@ -67,21 +67,26 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     # The stop vote travels over a CPU group so that it never waits for the GPU: steps stay queued.
     stop_group = dist.new_group(backend="gloo")
     last_loss, preempted = None, False
-    while step < cfg.steps and not preempted:
-        loss, grad_norm = strategy.train_step([loader.next_batch() for _ in range(cfg.grad_accum_steps)])
-        step += 1
-        meter.add(tokens_per_step)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            last_loss = mean_over_ranks(loss, env)  # the only per-log synchronization
-            norm = None if grad_norm is None else float(grad_norm)
-            rec = meter.flush(step, last_loss, strategy.current_lr(), norm)
-            if env.is_main:
-                emit(rec)
-            report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])
-        preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
-        state = {"data": loader.state_dict(), "loss": last_loss}
-        ckpt.save(step, strategy, state, force=preempted)
-    ckpt.wait()
+    try:
+        while step < cfg.steps and not preempted:
+            loss, grad_norm = strategy.train_step([loader.next_batch() for _ in range(cfg.grad_accum_steps)])
+            step += 1
+            meter.add(tokens_per_step)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                last_loss = mean_over_ranks(loss, env)  # the only per-log synchronization
+                norm = None if grad_norm is None else float(grad_norm)
+                rec = meter.flush(step, last_loss, strategy.current_lr(), norm)
+                if env.is_main:
+                    emit(rec)
+                report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])
+            preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
+            state = {"data": loader.state_dict(), "loss": last_loss}
+            ckpt.save(step, strategy, state, force=preempted)
+        ckpt.wait()
+    except Fenced as e:  # a newer attempt started on the claim: this one is a zombie and must stop
+        if env.is_main:
+            emit({"event": "fenced", "step": step, "reason": str(e)})
+        return ExitCode.FENCED
     report.update(step=step, last_checkpoint=ckpt.last_committed)
     if env.is_main:
         emit({"event": "preempted" if preempted else "finished", "step": step, "checkpoint": ckpt.last_committed})

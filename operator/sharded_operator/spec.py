@@ -178,9 +178,11 @@ class FailurePolicy(ApiModel):
     )  # fmt: skip
     backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
     permanent_exit_codes: list[ExitCodeValue] = Field(
-        [int(ExitCode.INVALID_CONFIG)],  # pydantic copies mutable defaults per instance; a literal lands in the CRD
+        # pydantic copies mutable defaults per instance; a literal lands in the CRD
+        [int(ExitCode.INVALID_CONFIG), int(ExitCode.INCOMPATIBLE_CHECKPOINT)],
         max_length=256,
-        description="Exit codes that fail the job at once (2: invalid trainer config).",
+        description="Exit codes that fail the job at once (2: invalid trainer config; 4: the newest checkpoint was "
+        "written for another model or layout).",
     )
     retryable_exit_codes: list[ExitCodeValue] | None = Field(
         None,

@@ -105,3 +105,18 @@ def test_an_old_writer_that_wakes_up_after_a_newer_one_started_cannot_commit(tmp
     assert newest == resumed_from + 400 and marker["generation"] == 2
     # Whatever the old writer left half-written is swept by the newer one.
     assert not list((tmp_path / "ckpt").glob("step-*.g1"))
+
+
+def test_a_checkpoint_of_another_model_is_a_permanent_failure_naming_the_difference(tmp_path):
+    config = write_config(tmp_path, steps=5, **{"checkpoint.interval": 5})
+    first = subprocess.run([sys.executable, "-m", "sharded_trainer", "--config", str(config)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0 and committed_steps(tmp_path / "ckpt") == [5], first.stdout[-2000:]
+    other = subprocess.run(
+        [sys.executable, "-m", "sharded_trainer", "--config", str(config), "steps=10", "model.vocabSize=512"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert other.returncode == ExitCode.INCOMPATIBLE_CHECKPOINT, other.stdout[-3000:] + other.stderr[-3000:]
+    assert "model.vocab_size: 256 -> 512" in other.stdout and '"event": "incompatible"' in other.stdout
+    assert "Traceback" not in other.stderr
+    assert committed_steps(tmp_path / "ckpt") == [5]  # left as it was, not mistaken for a corrupt checkpoint

@@ -352,3 +352,10 @@ def test_pod_view_reads_why_a_pod_is_stuck():
         "phase": "Pending", "startTime": "2026-01-01T11:00:00Z",
         "containerStatuses": [{"name": "trainer", "state": waiting}]}}  # fmt: skip
     assert PodView.from_pod(pull).stuck == "ImagePullBackOff: Back-off pulling image"
+
+
+def test_an_incompatible_checkpoint_ends_the_job_at_once_by_default():
+    incompatible = PodView(name="j-1", index=1, attempt=1, phase="Failed", node="node-1", exit_code=4)
+    plan = decide_on(running(), [pods(1)[0], incompatible])
+    assert plan.status.phase == "Failed" and plan.status.restarts == 0
+    assert next(c for c in plan.status.conditions if c.type == "Failed").reason == "PermanentFailure"

@@ -37,7 +37,7 @@ def test_defaults_fill_an_almost_empty_spec():
     assert job.spec.nodes == 1
     assert job.spec.procs_per_node == "auto"
     assert job.spec.strategy.type == "fsdp"
-    assert job.spec.failure_policy.permanent_exit_codes == [2]
+    assert job.spec.failure_policy.permanent_exit_codes == [2, 4]
     assert job.spec.checkpoint is None
 
 

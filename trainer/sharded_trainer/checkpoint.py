@@ -31,6 +31,22 @@ class Fenced(RuntimeError):
     """A newer writer generation started on the claim: this one must not commit."""
 
 
+class Incompatible(RuntimeError):
+    """The newest checkpoint was written for another model or layout than this run's."""
+
+
+def differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """`path: saved -> current` for each field two fingerprints disagree on."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a} -> {b}")
+    return out
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / step_dir_name(step)
 
@@ -82,10 +98,13 @@ class CheckpointManager:
     """`save(step)` decides itself whether to save; `load_latest()` restores the newest committed step."""
 
     def __init__(
-        self, cfg: CheckpointConfig, env: DistEnv, total_steps: int, *, on_commit: Callable[[dict], None] | None = None
-    ):
-        """`on_commit` is told of each committed checkpoint ({step, path, time}) on every rank."""
+        self, cfg: CheckpointConfig, env: DistEnv, total_steps: int, *, on_commit: Callable[[dict], None] | None = None,
+        fingerprint: dict | None = None,
+    ):  # fmt: skip
+        """`on_commit` is told of each committed checkpoint ({step, path, time}) on every rank. `fingerprint`
+        says what can resume from this run's checkpoints; a checkpoint with another one is not loaded."""
         self.cfg, self.env, self.total_steps = cfg, env, total_steps
+        self.fingerprint = fingerprint or {}
         self.on_commit = on_commit
         self.root = Path(cfg.dir) if cfg.dir else None
         self.pending: Pending | None = None
@@ -122,7 +141,7 @@ class CheckpointManager:
         torch.save(torch.get_rng_state(), directory / "rng" / f"rank-{self.env.rank}.pt")
         async_save = self.cfg.async_save and not force and step != self.total_steps
         future = strategy.save(directory, async_save=async_save)
-        state = {**trainer_state, "step": step, "world": self.env.world}
+        state = {**trainer_state, "step": step, "world": self.env.world, "fingerprint": self.fingerprint}
         if future is None:
             self._commit(step, state)
         else:
@@ -193,8 +212,10 @@ class CheckpointManager:
         directory = newest_committed(self.root)
         if directory is None:
             return None
-        strategy.load(directory)
         state = json.loads((directory / TRAINER_STATE).read_text())
+        if "fingerprint" in state and (diff := differences(state["fingerprint"], self.fingerprint)):
+            raise Incompatible(f"checkpoint {directory} cannot be resumed by this run: {'; '.join(diff)}")
+        strategy.load(directory)
         rng = directory / "rng" / f"rank-{self.env.rank}.pt"
         # RNG streams are per rank: restore them only when the world is the same shape.
         if state.get("world") == self.env.world and rng.is_file():

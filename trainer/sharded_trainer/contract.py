@@ -76,6 +76,7 @@ class ExitCode(IntEnum):
     OK = 0
     INVALID_CONFIG = 2  # the config failed validation: permanent by default in failurePolicy
     RENDEZVOUS_UNREACHABLE = 3  # the startup barrier gave up waiting for the rendezvous endpoint
+    INCOMPATIBLE_CHECKPOINT = 4  # the newest checkpoint was written for another model or layout: permanent
     PREEMPTED = 75  # stopped by SIGTERM after committing a final checkpoint: resume me
     FENCED = 76  # a newer writer owns the checkpoints: this one stopped without committing
 

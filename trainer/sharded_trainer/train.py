@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 
 import torch
 import torch.distributed as dist
 
-from sharded_trainer.checkpoint import CheckpointManager, Fenced
+from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible
 from sharded_trainer.config import TrainerConfig
 from sharded_trainer.contract import ExitCode, TrainerEventType
 from sharded_trainer.data import ShardedLoader, TokenSource
@@ -29,6 +30,13 @@ class StopRequest:
             signal.signal(sig, lambda *_: self.requested.set())
 
 
+def fingerprint(cfg: TrainerConfig, model, strategy, env: DistEnv) -> dict:
+    """What a checkpoint of this run can be resumed by: the strategy, the model's shape and, where the
+    strategy's format needs it, the world size. The sequence length is left out: RoPE tables are not saved."""
+    shape = {k: v for k, v in dataclasses.asdict(model.args).items() if k != "max_seq_len"}
+    return {"strategy": cfg.strategy.type, "model": shape, **({"world": env.world} if strategy.world_bound else {})}
+
+
 def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) -> int:
     """Train until cfg.steps or SIGTERM. Rank 0 reports progress and events to `target` (the operator)."""
     stop = StopRequest()
@@ -42,7 +50,10 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     report = ProgressReporter(
         target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
     )
-    ckpt = CheckpointManager(cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed)
+    ckpt = CheckpointManager(
+        cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed,
+        fingerprint=fingerprint(cfg, model, strategy, env),
+    )  # fmt: skip
     # What the run settled on (backend `auto` resolved here outside a pod; the world size torchrun made).
     report.event(
         TrainerEventType.SETTING_CHOSEN,
@@ -50,7 +61,15 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     )
 
     step = 0
-    resumed = ckpt.load_latest(strategy)
+    try:
+        resumed = ckpt.load_latest(strategy)
+    except Incompatible as e:  # a permanent failure that names the difference, never a crash loop
+        if env.is_main:
+            emit({"event": "incompatible", "reason": str(e)})
+        report.event(TrainerEventType.INCOMPATIBLE_CHECKPOINT, str(e))
+        report.update(step=0)
+        report.flush()
+        return ExitCode.INCOMPATIBLE_CHECKPOINT
     if resumed:
         step = resumed["step"]
         loader.load_state_dict(resumed["data"])

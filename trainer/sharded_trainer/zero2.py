@@ -67,6 +67,8 @@ def apply_zero2(model: nn.Module, *, cfg: TrainerConfig, device: torch.device):
 class Zero2Strategy:
     """ZeRO-2 training step; a checkpoint is DeepSpeed's files under the step directory's `TAG` folder."""
 
+    world_bound = True  # the optimizer state is partitioned for the world that saved it
+
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
         import deepspeed
 

@@ -72,6 +72,10 @@ class Jobs:
     def delete(self, name: str) -> None:
         self.stack.cluster.api("DELETE", f"{self.path}/{name}")
 
+    def exists(self, name: str) -> bool:
+        names = [item["metadata"]["name"] for item in self.stack.cluster.api("GET", self.path)["items"]]
+        return name in names
+
     def wait(self, name: str, pred, timeout: float = 240, what: str = "") -> dict:
         return wait_for(lambda: (s := self.status(name)) and pred(s) and s, timeout=timeout, interval=0.5, what=what)
 
@@ -176,3 +180,20 @@ def test_deleting_the_job_stops_every_process(jobs, stack):
     for r in runs:  # nothing of the pod's process group survives, torchrun's workers included
         with pytest.raises(ProcessLookupError):
             os.killpg(r.proc.pid, 0)
+
+
+def test_a_job_created_again_on_its_retained_claim_resumes_from_the_old_jobs_checkpoint(jobs):
+    name = "e2e-again"
+    jobs.create(job(name, steps=20))
+    first = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="the first job finished")
+    assert first["phase"] == "Succeeded" and jobs.checkpoints(name)[-1] == 20
+    jobs.delete(name)
+    wait_for(lambda: not jobs.runs(name), timeout=90, what="the first job's pods gone")
+    wait_for(lambda: not jobs.exists(name), timeout=60, what="the first job gone")
+    jobs.create(job(name, steps=30))  # same name, same retained claim (retainOnDelete is the default)
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="the second job finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert jobs.checkpoints(name)[-1] == 30 and status["progress"]["step"] == 30
+    assert "ResumedFromCheckpoint" in jobs.event_reasons(name)
+    resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
+    assert resumed[-1]["step"] == 20

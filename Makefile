@@ -4,12 +4,13 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.deps
 
-.PHONY: help setup binaries test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean
+.PHONY: help setup binaries test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
 
 help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
 	@echo "make test    - install everything needed, then lint and run the whole test suite"
 	@echo "make crds    - regenerate crds/ from the pydantic models"
+	@echo "make soak    - the chaos soak for several seeds: make soak SEEDS=\"1 2 3\" (default: 5 random ones)"
 	@echo "make cluster-up / cluster-down - a local control plane with KWOK GPU nodes, for kubectl"
 
 $(VENV_STAMP): pyproject.toml hack/setup-env.sh
@@ -38,8 +39,16 @@ crds: setup
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
 
 test: setup binaries lint
-	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (real processes): ~5 min"
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (real processes), one soak seed: ~14 min"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
+
+SEEDS ?= $(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done)
+soak: setup binaries
+	@for seed in $(SEEDS); do \
+	  echo "[soak] seed $$seed"; \
+	  SOAK_SEED=$$seed SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" \
+	    $(PY) -m pytest -q -s -m soak tests/soak || { echo "[soak] seed $$seed FAILED (replay: make soak SEEDS=$$seed)"; exit 1; }; \
+	done
 
 test-unit: setup
 	@$(PY) -m pytest -v -m "not integration and not trainer and not e2e"

@@ -129,8 +129,24 @@ class Kube:
                 raise
 
     @retrying
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any], uid: str | None = None) -> bool:
+        """Write a job's status. With `uid`, only onto that very object: a job deleted and created again
+        under its name in the meantime is another object, and this status is not its (returns False)."""
+        body: Any = {"status": status}
+        kwargs = {}
+        if uid:  # a JSON patch whose first operation tests the UID: for another object, nothing is applied
+            body = [
+                {"op": "test", "path": "/metadata/uid", "value": uid},
+                {"op": "add", "path": "/status", "value": status},
+            ]
+            kwargs["_content_type"] = "application/json-patch+json"
+        try:
+            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body, **kwargs)
+        except ApiException as e:
+            if uid and e.status in (404, 409, 422):
+                return False
+            raise
+        return True
 
     @retrying
     def delete_job(self, namespace: str, name: str) -> None:

@@ -118,8 +118,10 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         # 3. one status write, only when something changed
         before = job.status
         new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
-        if new != before.model_dump(by_alias=True, exclude_none=True, mode="json"):
-            ctx.kube.patch_status(namespace, name, new)
+        changed = new != before.model_dump(by_alias=True, exclude_none=True, mode="json")
+        if changed and not ctx.kube.patch_status(namespace, name, new, uid=uid):
+            logger.info("the job was replaced while it was being reconciled: its status is the new one's to write")
+            return None
         # 4. events and metrics for what changed, once the status that records it is written: a
         #    reconcile that fails before this point is retried and must not repeat them
         for type_, reason, message in plan.events:
@@ -166,10 +168,11 @@ def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.L
     status.completion_time = now
     set_phase(status, Phase.FAILED, "InvalidSpec", message, now)
     logger.error("invalid job: %s", message)
-    ctx.kube.patch_status(
+    written = ctx.kube.patch_status(
         body["metadata"]["namespace"], body["metadata"]["name"],
-        status.model_dump(by_alias=True, exclude_none=True, mode="json"),
+        status.model_dump(by_alias=True, exclude_none=True, mode="json"), uid=body["metadata"]["uid"],
     )  # fmt: skip
-    ctx.kube.event(body, "Warning", "InvalidSpec", message)
+    if written:
+        ctx.kube.event(body, "Warning", "InvalidSpec", message)
     ctx.metrics.failures.labels("InvalidSpec").inc()
     return status

@@ -336,6 +336,20 @@ def test_a_suspended_job_resumes_with_its_new_node_count(ops):
     assert ops.status()["ready"] == "3/3" and ops.status()["restarts"] == 0
 
 
+def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, custom):
+    """Reconcile reads a job, decides, then writes its status: if the job was deleted and created again under
+    its name in between, that write must not land on the new object (the API server checks the UID)."""
+    from sharded_operator.k8s import Kube
+
+    ops.create(gpu_job())
+    old_uid = ops.job()["metadata"]["uid"]
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, "j")
+    ops.create(gpu_job())
+    kube = Kube(custom.api_client)
+    assert kube.patch_status(ops.ns, "j", {"phase": "Failed", "restarts": 7}, uid=old_uid) is False
+    assert ops.status().get("restarts", 0) == 0
+
+
 def post_report(operator, report: dict) -> int:
     req = urllib.request.Request(f"{operator.url}/progress", data=json.dumps(report).encode(), method="POST")
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from sharded_operator.builders import pod_name
 from sharded_operator.models import (
     ConditionType,
     FailureInfo,
@@ -26,12 +27,16 @@ DISRUPTION_REASONS = frozenset({"NodeLost", "Evicted", "DisruptionTarget", "Pree
 MISSING_GRACE_SECONDS = 5
 
 
-def missing_pods(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed) -> list[str]:
-    """Pods the current attempt should have but the API server no longer lists."""
+def _missing_indices(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed) -> list[int]:
     if status.phase not in (Phase.STARTING, Phase.RUNNING):
         return []
     present = {p.index for p in obs.pods if p.attempt == status.attempt}
-    return [f"{job.metadata['name']}-{i}" for i in range(job.spec.nodes) if i not in present]
+    return [i for i in range(job.spec.nodes) if i not in present]
+
+
+def missing_pods(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed) -> list[str]:
+    """Pods the current attempt should have but the API server no longer lists."""
+    return [pod_name(job, i) for i in _missing_indices(job, status, obs)]
 
 
 def is_permanent(job: ShardedTrainingJob, failure: FailureInfo) -> bool:
@@ -72,8 +77,8 @@ def current_failures(
             else:
                 reason, message = "PodDeleted", "pod is being deleted (by a user or a controller)"
             out.append(FailureInfo(**where, reason=reason, message=message, time=p.deleted_at or ts))
-    for name in missing_pods(job, status, obs):
-        index = int(name.rsplit("-", 1)[1])
+    for index in _missing_indices(job, status, obs):
+        name = pod_name(job, index)
         last = obs.departed.get(name)
         ours = last is not None and last.owner_uid in (None, job.metadata.get("uid"))
         last = last if last and ours and last.attempt == status.attempt else None

@@ -89,17 +89,29 @@ def set_phase(status: ShardedTrainingJobStatus, phase: Phase, reason: str, messa
 def record_refusal(plan: Plan, refusal: tuple[str, str] | None, now: str) -> None:
     """What the API server said to the last creates: a refusal (reason, its own message) sets the
     CreateRefused condition and, when it is new, an event; creates going through clear it."""
+    _announce(plan, ConditionType.CREATE_REFUSED, refusal, event="FailedCreate", cleared="Created", now=now,
+              again_on_new_message=True)  # fmt: skip
+    if refusal:
+        plan.status.message = f"the API server refused to create the job's pods: {refusal[1]}"
+
+
+def _announce(
+    plan: Plan, type_: ConditionType, verdict: tuple[str, str] | None, *, event: str, cleared: str, now: str,
+    again_on_new_message: bool = False,
+) -> None:
+    """A condition that is True while `verdict` (reason, message) holds, with a Warning event when it turns
+    True (and, if asked, when its message changes); no verdict turns it False with reason `cleared`."""
     status = plan.status
-    old = next((c for c in status.conditions if c.type == ConditionType.CREATE_REFUSED), None)
-    if refusal is None:
-        if old and old.status == "True":
-            set_condition(status, ConditionType.CREATE_REFUSED, False, "Created", "", now)
+    old = next((c for c in status.conditions if c.type == type_), None)
+    active = old is not None and old.status == "True"
+    if verdict is None:
+        if active:
+            set_condition(status, type_, False, cleared, "", now)
         return
-    reason, message = refusal
-    if not (old and old.status == "True" and old.message == message):
-        plan.events.append(("Warning", "FailedCreate", message))
-    set_condition(status, ConditionType.CREATE_REFUSED, True, reason, message, now)
-    status.message = f"the API server refused to create the job's pods: {message}"
+    reason, message = verdict
+    if not active or (again_on_new_message and old.message != message):
+        plan.events.append(("Warning", event, message))
+    set_condition(status, type_, True, reason, message, now)
 
 
 # --- the decision -------------------------------------------------------------------------------
@@ -198,7 +210,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
 
 def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], now: dt.datetime) -> None:
     """PodsStuck: a pod unschedulable or unable to start for schedulingTimeoutSeconds, announced once."""
-    timeout, status = job.spec.failure_policy.scheduling_timeout_seconds, plan.status
+    timeout = job.spec.failure_policy.scheduling_timeout_seconds
     if timeout is None:
         return
     stuck = [
@@ -206,16 +218,11 @@ def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], no
         if p.stuck and p.phase == "Pending" and (since := parse_iso(p.stuck_since))
         and (now - since).total_seconds() >= timeout
     ]  # fmt: skip
-    old = next((c for c in status.conditions if c.type == ConditionType.PODS_STUCK), None)
-    if not stuck:
-        if old and old.status == "True":
-            set_condition(status, ConditionType.PODS_STUCK, False, "PodsStarted", "", iso(now))
-        return
-    reason = stuck[0].stuck.split(":", 1)[0]
-    message = f"pod {stuck[0].name} stuck for more than {timeout}s: {stuck[0].stuck}"
-    if not (old and old.status == "True"):
-        plan.events.append(("Warning", "PodsStuck", message))
-    set_condition(status, ConditionType.PODS_STUCK, True, reason, message, iso(now))
+    verdict = None
+    if stuck:
+        reason = stuck[0].stuck.split(":", 1)[0]
+        verdict = (reason, f"pod {stuck[0].name} stuck for more than {timeout}s: {stuck[0].stuck}")
+    _announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
 
 
 def _merge_report(plan: Plan, report: ProgressReport | None, now: str) -> None:

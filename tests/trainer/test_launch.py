@@ -120,3 +120,17 @@ def test_a_checkpoint_of_another_model_is_a_permanent_failure_naming_the_differe
     assert "model.vocab_size: 256 -> 512" in other.stdout and '"event": "incompatible"' in other.stdout
     assert "Traceback" not in other.stderr
     assert committed_steps(tmp_path / "ckpt") == [5]  # left as it was, not mistaken for a corrupt checkpoint
+
+
+def test_a_garbled_fingerprint_on_the_claim_is_refused_not_crashed_on(tmp_path):
+    config = write_config(tmp_path, steps=5, **{"checkpoint.interval": 5})
+    first = subprocess.run([sys.executable, "-m", "sharded_trainer", "--config", str(config)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stdout[-2000:]
+    state_file = tmp_path / "ckpt" / "step-00000005" / "trainer.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "fingerprint": ["not", "a", "mapping"]}))
+    again = subprocess.run([sys.executable, "-m", "sharded_trainer", "--config", str(config), "steps=10"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == ExitCode.INCOMPATIBLE_CHECKPOINT, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "fingerprint: unreadable (list)" in again.stdout and "Traceback" not in again.stderr

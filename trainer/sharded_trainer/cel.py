@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import operator
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args, get_origin
@@ -101,14 +102,16 @@ class Ctx:
 # --- expressions --------------------------------------------------------------------------------
 
 
-class Expr:
+class Expr(ABC):
     """A boolean or value expression with a CEL rendering and a Python evaluation."""
 
+    @abstractmethod
     def cel(self, ctx: Ctx) -> str:
-        raise NotImplementedError
+        """The expression as CEL, with `self` the object of the model in `ctx`."""
 
+    @abstractmethod
     def eval(self, data: Any, ctx: Ctx) -> Any:
-        raise NotImplementedError
+        """The expression's value on `data`, the model's camelCase dump."""
 
     def __and__(self, other: Expr) -> Expr:
         return And(self, other)

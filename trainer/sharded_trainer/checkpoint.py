@@ -213,7 +213,10 @@ class CheckpointManager:
         if directory is None:
             return None
         state = json.loads((directory / TRAINER_STATE).read_text())
-        if "fingerprint" in state and (diff := differences(state["fingerprint"], self.fingerprint)):
+        saved = state.get("fingerprint", self.fingerprint)  # checkpoints from before fingerprints load as they are
+        if not isinstance(saved, dict):  # a file on a shared claim: anything may be in it
+            saved = {"fingerprint": f"unreadable ({type(saved).__name__})"}
+        if diff := differences(saved, self.fingerprint):
             raise Incompatible(f"checkpoint {directory} cannot be resumed by this run: {'; '.join(diff)}")
         strategy.load(directory)
         rng = directory / "rng" / f"rank-{self.env.rank}.pt"

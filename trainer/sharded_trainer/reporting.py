@@ -89,7 +89,7 @@ class ProgressReporter:
         if not self.enabled:
             return
         self.progress.update({k: v for k, v in fields.items() if v is not None})
-        progress = self._valid(TrainingProgress, {**self.progress, "updated_at": iso()})
+        progress = self._valid({**self.progress, "updated_at": iso()})
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
@@ -109,17 +109,18 @@ class ProgressReporter:
             self._posting = threading.Thread(target=self._post, args=(t.url, body), daemon=True)
             self._posting.start()
 
-    def _valid(self, model: type[TrainingProgress], fields: dict[str, Any]) -> TrainingProgress:
-        """The fields as `model`, leaving out any value the contract refuses (a NaN loss after a diverged
+    @staticmethod
+    def _valid(fields: dict[str, Any]) -> TrainingProgress:
+        """The fields as `TrainingProgress`, leaving out any value the contract refuses (a NaN loss after a diverged
         step, say) rather than failing training over a report."""
         fields = {k: v for k, v in fields.items() if not (isinstance(v, float) and not math.isfinite(v))}
         try:
-            return model.model_validate(fields)
+            return TrainingProgress.model_validate(fields)
         except ValidationError as e:
-            names = {f.alias or n: n for n, f in model.model_fields.items()}  # errors name fields by alias
+            names = {f.alias or n: n for n, f in TrainingProgress.model_fields.items()}  # errors name by alias
             bad = {names.get(str(err["loc"][0]), str(err["loc"][0])) for err in e.errors() if err["loc"]}
             log(f"leaving {sorted(bad)} out of the progress report: {e.errors()[0]['msg']}")
-            return model.model_validate({k: v for k, v in fields.items() if k not in bad})
+            return TrainingProgress.model_validate({k: v for k, v in fields.items() if k not in bad})
 
     def _post(self, url: str, body: bytes) -> None:
         req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})

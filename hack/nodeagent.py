@@ -54,12 +54,14 @@ class PodRun:
     uid: str
     namespace: str
     name: str
+    node: str
     netns: str
     ip: str
     workdir: Path
     proc: subprocess.Popen | None = None
     reported_exit: bool = False
     killing: bool = False
+    frozen: bool = False
     mounts: list[str] = field(default_factory=list)
 
 
@@ -78,6 +80,8 @@ class NodeAgent:
         self.workdir, self.nodes = workdir, nodes
         self.capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"}
         self.runs: dict[str, PodRun] = {}
+        self.down: set[str] = set()  # nodes whose kubelet is silent (lose_node): nothing on them is synced
+        self._node_lock = threading.Lock()  # a heartbeat must not undo a node just lost
         self._next_ip = 10
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -151,8 +155,10 @@ class NodeAgent:
         while not self._stop.is_set():
             try:
                 if time.monotonic() - last_beat > 10:
-                    for n in self.nodes:
-                        self._heartbeat(n)
+                    with self._node_lock:
+                        for n in self.nodes:
+                            if n not in self.down:
+                                self._heartbeat(n)
                     last_beat = time.monotonic()
                 self._sync()
             except Exception as e:  # an API hiccup must not stop the node
@@ -164,6 +170,7 @@ class NodeAgent:
         pods = [
             p
             for n in self.nodes
+            if n not in self.down
             for p in self.api.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={n}").items
         ]
         for pod in pods:
@@ -183,10 +190,53 @@ class NodeAgent:
             elif run and run.proc and run.proc.poll() is not None and not run.reported_exit:
                 self._report_exit(run, pod)
         for uid, run in list(self.runs.items()):
-            if uid not in seen:  # the pod object is gone (force-deleted): nothing may keep running
+            # The pod object is gone (force-deleted): nothing may keep running, once the node's kubelet is back.
+            if uid not in seen and run.node not in self.down:
                 self._kill(run, grace=0)
                 self._cleanup(run)
                 del self.runs[uid]
+
+    # --- faults, for tests and benchmarks -------------------------------------------------------
+    def lose_node(self, name: str, freeze: bool = False) -> list[PodRun]:
+        """The node's kubelet goes silent, as in a partition: Ready turns Unknown, the node is tainted
+        unreachable (as the node lifecycle controller does) and nothing on it is synced any more: its pods
+        are neither started, stopped, reported nor cleaned up. With `freeze`, their processes are stopped
+        (SIGSTOP) instead of left running: a zombie attempt that wakes up when thawed. Returns its runs."""
+        with self._node_lock:
+            self.down.add(name)
+            t = now()
+            conditions = [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                           "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": t,
+                           "lastTransitionTime": t}]  # fmt: skip
+            self.api.patch_node_status(name, {"status": {"conditions": conditions}})
+            self._set_taint(name, present=True)
+        runs = [r for r in self.runs.values() if r.node == name]
+        for run in runs if freeze else []:
+            self._signal_all(run, signal.SIGSTOP)
+            run.frozen = True
+        return runs
+
+    def thaw(self, run: PodRun) -> None:
+        self._signal_all(run, signal.SIGCONT)
+        run.frozen = False
+
+    def restore_node(self, name: str) -> None:
+        """The kubelet is back: the node turns Ready, and pods it still runs whose objects are gone are killed."""
+        with self._node_lock:
+            self._set_taint(name, present=False)
+            self._heartbeat(name)
+            self.down.discard(name)
+
+    def _set_taint(self, name: str, present: bool) -> None:
+        taint = {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}
+        taints = [t for t in (self.api.read_node(name).spec.taints or []) if t.key != taint["key"]]
+        keep = [{"key": t.key, "effect": t.effect, **({"value": t.value} if t.value else {})} for t in taints]
+        self.api.patch_node(name, {"spec": {"taints": [*keep, taint] if present else keep}})
+
+    def _signal_all(self, run: PodRun, sig: int) -> None:
+        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), sig)
 
     # --- one pod --------------------------------------------------------------------------------
     def _start(self, pod) -> None:
@@ -195,7 +245,9 @@ class NodeAgent:
         uid = pod.metadata.uid
         ns, name = pod.metadata.namespace, pod.metadata.name
         workdir = self.workdir / "pods" / f"{ns}_{name}_{uid[:8]}"
-        run = PodRun(uid=uid, namespace=ns, name=name, netns=f"sp-{uid[:8]}", ip=ip, workdir=workdir)
+        run = PodRun(
+            uid=uid, namespace=ns, name=name, node=pod.spec.node_name, netns=f"sp-{uid[:8]}", ip=ip, workdir=workdir
+        )
         self.runs[uid] = run
         run.workdir.mkdir(parents=True, exist_ok=True)
         try:
@@ -395,10 +447,8 @@ class NodeAgent:
         self._sweep(run)
 
     def _sweep(self, run: PodRun) -> None:
-        """SIGKILL every process left in the pod's network namespace."""
-        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
+        """SIGKILL every process left in the pod's network namespace (a frozen one too: SIGKILL needs no thaw)."""
+        self._signal_all(run, signal.SIGKILL)
 
     def _cleanup(self, run: PodRun) -> None:
         self._sweep(run)

@@ -15,7 +15,14 @@ from typing import Any
 
 import yaml
 
-from sharded_operator.models import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, ShardedTrainingJob
+from sharded_operator.models import (
+    ANNOTATION_CREATED_BY,
+    CONTAINER,
+    LABEL_ATTEMPT,
+    LABEL_INDEX,
+    LABEL_JOB,
+    ShardedTrainingJob,
+)
 from sharded_operator.quantity import quantity_value
 from sharded_operator.settings import OperatorSettings
 from sharded_trainer.config import CheckpointConfig, TrainerConfig
@@ -155,7 +162,11 @@ def build_pvc(job: ShardedTrainingJob) -> dict[str, Any] | None:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": pvc_name(job), "labels": job_labels(job)},
+        "metadata": {
+            "name": pvc_name(job),
+            "labels": job_labels(job),
+            "annotations": {ANNOTATION_CREATED_BY: job.metadata.get("uid", "")},
+        },
         "spec": spec,
     }
 

@@ -14,7 +14,6 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from sharded_operator.models import GROUP, KIND, LABEL_JOB, PLURAL, VERSION
-from sharded_operator.views import controller_uid
 
 T = TypeVar("T")
 _TRANSIENT = {429, 500, 502, 503, 504}
@@ -109,16 +108,18 @@ class Kube:
         return True
 
     @retrying
-    def owner_uid(self, namespace: str, obj: dict[str, Any]) -> str | None:
-        """The controller UID of the existing object named like `obj` (a Service or ConfigMap); None if gone."""
-        read = {"Service": self.core.read_namespaced_service, "ConfigMap": self.core.read_namespaced_config_map}
+    def read_meta(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The metadata of the existing object named like `obj` (a Service, ConfigMap or claim); None if gone."""
+        read = {
+            "Service": self.core.read_namespaced_service, "ConfigMap": self.core.read_namespaced_config_map,
+            "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim,
+        }  # fmt: skip
         try:
-            existing = self._dict(read[obj["kind"]](obj["metadata"]["name"], namespace))
+            return self._dict(read[obj["kind"]](obj["metadata"]["name"], namespace))["metadata"]
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
-        return controller_uid(existing["metadata"])
 
     @retrying
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None) -> None:

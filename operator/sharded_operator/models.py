@@ -42,6 +42,8 @@ SHORT_NAME = "stj"
 LABEL_JOB = f"{GROUP}/job-name"
 LABEL_INDEX = f"{GROUP}/node-index"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
+# On the checkpoint claim, which outlives its job when retained: the UID of the job that created it.
+ANNOTATION_CREATED_BY = f"{GROUP}/created-by-uid"
 CONTAINER = "trainer"  # the trainer's container in every pod
 # Pods are named <job>-<index> and double as hostnames (63-character DNS labels); PVCs <job>-checkpoints.
 MAX_NAME_LENGTH = 50
@@ -140,6 +142,7 @@ class ShardedTrainingJobSpec(ApiModel):
 
 
 # --- status -------------------------------------------------------------------------------------
+
 
 class Phase(StrEnum):
     """Where a job is in its lifecycle: Pending -> Starting -> Running (-> Restarting -> Running)* -> an end."""
@@ -246,6 +249,11 @@ class ShardedTrainingJobStatus(StatusModel):
     )
     progress: Progress | None = Field(None, description="Live training progress.")
     last_checkpoint: CheckpointStatus | None = Field(None, description="Newest complete checkpoint.")
+    resumed_from: CheckpointStatus | None = Field(
+        None,
+        description="The checkpoint training last resumed from (one an earlier job of this name left on a "
+        "retained claim, too).",
+    )
     last_failure: FailureInfo | None = Field(None, description="Last failure that ended an attempt.")
     start_time: str | None = Field(None, description="When the job first started (RFC 3339).")
     active_since: str | None = Field(
@@ -293,4 +301,3 @@ PRINTER_COLUMNS = [
     {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.lastCheckpoint.step"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
-

@@ -18,7 +18,7 @@ from sharded_operator.k8s import Kube, MissingAPI, Refused
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.settings import OperatorSettings
 from sharded_operator.status import decide, record_refusal, set_phase
-from sharded_operator.views import NodeView, Observed, PodView
+from sharded_operator.views import NodeView, Observed, PodView, controller_uid
 from sharded_operator.web import Metrics, ProgressStore
 from sharded_trainer.config import format_validation_error
 from sharded_trainer.contract import iso
@@ -100,12 +100,11 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
             ctx.kube.delete_pod(namespace, pod, 0)
         # 2. children the pods need, then the pods of the current attempt
         if plan.create:
-            refusal = None
+            refusal = held = None
             try:
-                if held := _ensure_children(ctx, job, body):
-                    plan.create = []  # the pods would mount or resolve the other job's objects
-                    plan.status.message = f"{held} of a deleted job of the same name still exists"
-                for index in plan.create:
+                # The pods would mount or resolve another job's objects while it is held.
+                held = _ensure_children(ctx, job, body)
+                for index in [] if held else plan.create:
                     pod = adopt(builders.build_pod(job, index, plan.status.attempt, ctx.settings), body)
                     if ctx.kube.create(namespace, pod):
                         ctx.metrics.pods_created.inc()
@@ -114,6 +113,11 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
             except Refused as e:  # retried at the next reconcile: a quota may free up, a policy may change
                 logger.warning("create refused: %s", e)
                 refusal = (e.reason, f"{e.kind} {e.name}: {e.message}")
+            if held or refusal:
+                # Not started: pods never created are not missing ones (which end a started attempt).
+                why = f"{held} of a deleted job of the same name still exists" if held else "the API server refused"
+                set_phase(plan.status, Phase.PENDING, "CreateRefused" if refusal else "WaitingForPreviousJob", why,
+                          iso(now))  # fmt: skip
             record_refusal(plan, refusal, iso(now))
         # 3. one status write, only when something changed
         before = job.status
@@ -145,7 +149,7 @@ def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]
     """Create what the pods need; returns a child whose name is still held by another job's object."""
     ns, uid = body["metadata"]["namespace"], body["metadata"]["uid"]
     for child in (builders.build_service(job), builders.build_config_map(job, ctx.settings)):
-        if not ctx.kube.create(ns, adopt(child, body)) and ctx.kube.owner_uid(ns, child) not in (uid, None):
+        if not ctx.kube.create(ns, adopt(child, body)) and _held(ctx.kube.read_meta(ns, child), uid):
             return f"{child['kind']} {child['metadata']['name']}"
     if (group := builders.build_pod_group(job)) is not None:
         ctx.kube.create(ns, adopt(group, body))
@@ -154,8 +158,18 @@ def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]
         if not job.spec.checkpoint.volume_claim.retain_on_delete:
             pvc = adopt(pvc, body)
         pvc["metadata"]["namespace"] = ns
-        ctx.kube.create(ns, pvc)
+        # A retained claim an earlier job of this name created (no owner, another UID recorded on it) is
+        # this job's to resume from; one still owned by a deleted job, or being deleted, is not usable yet.
+        if not ctx.kube.create(ns, pvc) and _held(ctx.kube.read_meta(ns, pvc), uid):
+            return f"{pvc['kind']} {pvc['metadata']['name']}"
     return None
+
+
+def _held(meta: dict[str, Any] | None, uid: str) -> bool:
+    """An existing child named like ours that belongs to another job (whose deletion is still under way)."""
+    if meta is None:  # gone since the create said it existed: create it at the next reconcile
+        return True
+    return bool(meta.get("deletionTimestamp")) or controller_uid(meta) not in (uid, None)
 
 
 def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.Logger) -> ShardedTrainingJobStatus:

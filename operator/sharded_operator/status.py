@@ -96,7 +96,13 @@ def record_refusal(plan: Plan, refusal: tuple[str, str] | None, now: str) -> Non
 
 
 def _announce(
-    plan: Plan, type_: ConditionType, verdict: tuple[str, str] | None, *, event: str, cleared: str, now: str,
+    plan: Plan,
+    type_: ConditionType,
+    verdict: tuple[str, str] | None,
+    *,
+    event: str,
+    cleared: str,
+    now: str,
     again_on_new_message: bool = False,
 ) -> None:
     """A condition that is True while `verdict` (reason, message) holds, with a Warning event when it turns
@@ -249,6 +255,8 @@ def _merge_report(plan: Plan, report: ProgressReport | None, now: str) -> None:
     new = [e for e in report.events if e.seq > seen]
     for e in new:
         plan.events.append((_EVENT_TYPES.get(e.type, "Normal"), e.type.value, e.message))
+        if e.type == TrainerEventType.RESUMED and e.checkpoint:
+            status.resumed_from = CheckpointStatus.model_validate(e.checkpoint.model_dump())
     if new:
         status.last_trainer_event = TrainerEventCursor(attempt=report.attempt, run=report.run, seq=new[-1].seq)
 

@@ -15,8 +15,9 @@ import pytest
 from conftest import wait_for
 from localstack import LocalStack
 from nodeagent import can_isolate
-from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_operator.models import ANNOTATION_CREATED_BY, GROUP, PLURAL, VERSION
 from sharded_trainer.checkpoint import committed_steps
+from sharded_trainer.contract import MARKER, step_dir_name
 
 pytestmark = [
     pytest.mark.e2e,
@@ -182,9 +183,9 @@ def test_deleting_the_job_stops_every_process(jobs, stack):
             os.killpg(r.proc.pid, 0)
 
 
-def test_a_job_created_again_on_its_retained_claim_resumes_from_the_old_jobs_checkpoint(jobs):
+def test_a_job_created_again_on_its_retained_claim_resumes_from_the_old_jobs_checkpoint(jobs, stack):
     name = "e2e-again"
-    jobs.create(job(name, steps=20))
+    first_uid = jobs.create(job(name, steps=20))["metadata"]["uid"]
     first = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="the first job finished")
     assert first["phase"] == "Succeeded" and jobs.checkpoints(name)[-1] == 20
     jobs.delete(name)
@@ -194,6 +195,47 @@ def test_a_job_created_again_on_its_retained_claim_resumes_from_the_old_jobs_che
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="the second job finished")
     assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
     assert jobs.checkpoints(name)[-1] == 30 and status["progress"]["step"] == 30
-    assert "ResumedFromCheckpoint" in jobs.event_reasons(name)
+    assert "ResumedFromCheckpoint" in jobs.event_reasons(name) and status["resumedFrom"]["step"] == 20
+    claim = stack.cluster.api("GET", f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{name}-checkpoints")
+    assert claim["metadata"]["annotations"][ANNOTATION_CREATED_BY] == first_uid  # the job that made it
     resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
     assert resumed[-1]["step"] == 20
+
+
+def test_a_zombie_attempt_on_a_lost_node_wakes_up_and_has_its_commit_refused(jobs, stack):
+    """A partition, not a crash: the node goes silent with the attempt's processes frozen, not dead. The job
+    restarts elsewhere; when the zombie wakes up and reaches its next save, the fence refuses its commit."""
+    name = "e2e-zombie"
+    body = job(name, steps=60, nodes=1, runPolicy={"terminationGraceSeconds": 3})
+    body["spec"]["failurePolicy"]["nodeLostSeconds"] = 10
+    jobs.create(body)
+    jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
+    [pod] = jobs.runs(name)
+    node = pod.node
+    [zombie] = stack.agent.lose_node(node, freeze=True)
+    root = stack.claim_dir(NS, f"{name}-checkpoints") / name
+    frozen_at = max(jobs.checkpoints(name))
+    zombie_generation = committed_generation(root, frozen_at)
+    try:
+        # The node is declared lost, its pod force-deleted after its grace, and the attempt restarts elsewhere.
+        status = jobs.wait(name, lambda s: s.get("attempt") == 2, timeout=120, what="the second attempt")
+        assert status["restarts"] == 0 and status["disruptions"] == 1, status  # a disruption, not a failure
+        assert status["lastFailure"]["reason"] == "NodeLost", status["lastFailure"]
+        jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) > frozen_at, what="a new commit")
+        assert zombie.proc.poll() is None  # still there, frozen, its pod object gone
+        stack.agent.thaw(zombie)
+        code = zombie.proc.wait(timeout=120)
+        log = (zombie.workdir / "container.log").read_text()
+        fenced = [json.loads(line[8:]) for line in log.splitlines() if '"event": "fenced"' in line]
+        assert code == 76 and fenced, log[-3000:]
+    finally:
+        stack.agent.restore_node(node)
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    # Every step committed after the fault is the new attempt's: the zombie never wrote over it.
+    after = {step: committed_generation(root, step) for step in jobs.checkpoints(name) if step > frozen_at}
+    assert after and set(after.values()) == {zombie_generation + 1}, after
+
+
+def committed_generation(root: Path, step: int) -> int:
+    return json.loads((root / step_dir_name(step) / MARKER).read_text())["generation"]

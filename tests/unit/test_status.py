@@ -173,6 +173,13 @@ def test_a_restarted_trainer_process_reports_its_events_from_the_start():
     assert [e[1] for e in plan.events] == ["ResumedFromCheckpoint"] and plan.status.last_trainer_event.run == "r2"
 
 
+def test_the_checkpoint_resumed_from_shows_in_status():
+    checkpoint = {"step": 20, "path": "/checkpoints/j/step-00000020"}
+    resumed = event(1, TrainerEventType.RESUMED, step=20, checkpoint=checkpoint)
+    plan = decide(running().model(), Observed(pods=pods(2), progress=report(events=[resumed])), NOW, GRACE)
+    assert plan.status.resumed_from.step == 20 and plan.status.resumed_from.path.endswith("step-00000020")
+
+
 def test_events_of_another_attempt_are_not_reported():
     stale = report(attempt=0, events=[event(1)])
     assert not decide(running().model(), Observed(pods=pods(2), progress=stale), NOW, GRACE).events

@@ -10,7 +10,7 @@ help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
 	@echo "make test    - install everything needed, then lint and run the whole test suite"
 	@echo "make crds    - regenerate crds/ from the pydantic models"
-	@echo "make soak    - the chaos soak for several seeds: make soak SEEDS=\"1 2 3\" (default: 5 random ones)"
+	@echo "make soak    - the chaos soak for several seeds: make soak SEEDS=\"1 2 3\" or SEED=1 (default: 5 random ones)"
 	@echo "make cluster-up / cluster-down - a local control plane with KWOK GPU nodes, for kubectl"
 
 $(VENV_STAMP): pyproject.toml hack/setup-env.sh
@@ -42,7 +42,7 @@ test: setup binaries lint
 	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (real processes), one soak seed: ~13 min"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
 
-SEEDS ?= $(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done)
+SEEDS ?= $(or $(SEED),$(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done))
 soak: setup binaries
 	@for seed in $(SEEDS); do \
 	  echo "[soak] seed $$seed"; \

@@ -109,3 +109,29 @@ def test_arms_past_the_time_budget_are_skipped_and_named(tmp_path):
     assert not arm_lines(out / "compiled.txt")
     assert "# SKIPPED ref-fsdp2-b4-compiled (budget of 0s spent)" in text
     assert "# SKIPPED trainer-fsdp2-b4-compiled-1gpu (budget of 0s spent)" in text
+
+
+def test_recovery_phases_are_split_at_the_moments_seen_and_logged():
+    import recovery
+
+    log = "\n".join([
+        "some torchrun output",
+        'METRICS {"event": "started", "world": 4, "time": 90.0}',  # the earlier attempt's pod, not this one
+        'METRICS {"event": "started", "world": 4, "time": 107.0}',
+        'METRICS {"event": "resumed", "step": 20, "time": 109.5}',
+        'METRICS {"step": 21, "loss": 3.2, "time": 110.0}',
+        'METRICS {"step": 22, "loss": 3.1, "time": 110.2}',
+    ])  # fmt: skip
+    marks = {"fault": 100.0, "detect": 101.0, "delete": 103.0, "schedule": 103.5, "start": 104.0}
+    marks.update(recovery.trainer_marks(log, after=103.0))
+    phases = recovery.breakdown(marks)
+    assert phases == {"detect": 1.0, "delete": 2.0, "schedule": 0.5, "start": 0.5, "rendezvous": 3.0, "load": 2.5,
+                      "first step": 0.5, "total": 10.0}  # fmt: skip
+    table = recovery.table([{"fault": "pod-kill", "phases": phases}] * 2)
+    assert "| pod-kill | 2 | 1.0 | 2.0 | 0.5 | 0.5 | 3.0 | 2.5 | 0.5 | 10.0 |" in table
+
+
+def test_a_recovery_without_a_resume_has_no_first_step_yet():
+    import recovery
+
+    assert "first step" not in recovery.trainer_marks('METRICS {"step": 1, "time": 5.0}', after=0)

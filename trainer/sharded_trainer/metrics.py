@@ -56,6 +56,7 @@ class Meter:
 
 
 def emit(record: dict) -> None:
-    """One JSON line on stdout, tagged so log scrapers can find it among other output."""
-    sys.stdout.write("METRICS " + json.dumps(record) + "\n")
+    """One JSON line on stdout, tagged so log scrapers can find it among other output; `time` (Unix seconds)
+    lets a recovery be timed from the logs (bench/recovery.py)."""
+    sys.stdout.write("METRICS " + json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
     sys.stdout.flush()

@@ -40,6 +40,8 @@ def fingerprint(cfg: TrainerConfig, model, strategy, env: DistEnv) -> dict:
 def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) -> int:
     """Train until cfg.steps or SIGTERM. Rank 0 reports progress and events to `target` (the operator)."""
     stop = StopRequest()
+    if env.is_main:  # the process group is up: the rendezvous is over
+        emit({"event": "started", "world": env.world})
     model = build_model(cfg)
     args = model.args
     strategy = build_strategy(model, cfg, env)

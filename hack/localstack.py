@@ -25,15 +25,17 @@ class OperatorProcess:
     """`python -m sharded_operator` as a real process against a cluster."""
 
     def __init__(self, kubeconfig: Path, log: Path, host: str = "127.0.0.1", **settings: str):
-        port = localcluster.free_port(host)
-        self.url = f"http://{host}:{port}"
+        port, progress_port = localcluster.free_port(host), localcluster.free_port(host)
+        self.url = f"http://{host}:{port}"  # /metrics, /healthz
+        self.progress_url = f"http://{host}:{progress_port}/progress"
         self.log = log
         self.env = {
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "SHARDED_OPERATOR_HTTP_HOST": host,
             "SHARDED_OPERATOR_HTTP_PORT": str(port),
-            "SHARDED_OPERATOR_PROGRESS_URL": f"{self.url}/progress",
+            "SHARDED_OPERATOR_PROGRESS_PORT": str(progress_port),
+            "SHARDED_OPERATOR_PROGRESS_URL": self.progress_url,
             "SHARDED_OPERATOR_RESYNC_SECONDS": "1",
             "SHARDED_OPERATOR_LOG_FORMAT": "plain",
             **{f"SHARDED_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()},

@@ -50,6 +50,17 @@ def can_isolate() -> bool:
 
 
 @dataclass
+class ProjectedToken:
+    """A projected ServiceAccount token the agent keeps fresh in a pod's volume, as the kubelet does."""
+
+    path: Path
+    service_account: str
+    audience: str
+    seconds: int
+    minted: float = 0.0
+
+
+@dataclass
 class PodRun:
     uid: str
     namespace: str
@@ -63,6 +74,7 @@ class PodRun:
     killing: bool = False
     frozen: bool = False
     mounts: list[str] = field(default_factory=list)
+    tokens: list[ProjectedToken] = field(default_factory=list)
 
 
 class NodeAgent:
@@ -161,6 +173,7 @@ class NodeAgent:
                                 self._heartbeat(n)
                     last_beat = time.monotonic()
                 self._sync()
+                self._rotate_tokens()
             except Exception as e:  # an API hiccup must not stop the node
                 print(f"[nodeagent] sync error: {e!r}", file=sys.stderr)
             self._stop.wait(0.5)
@@ -364,8 +377,15 @@ class NodeAgent:
             return base, (volume.empty_dir.size_limit or "64Mi") if memory else None
         if volume.host_path:
             return Path(volume.host_path.path), None
-        if volume.projected:  # service-account token and CA: nothing a training process may use here
+        if volume.projected:  # ServiceAccount tokens, minted through the API server's TokenRequest
             base.mkdir(parents=True, exist_ok=True)
+            for source in volume.projected.sources or []:
+                if sat := source.service_account_token:
+                    token = ProjectedToken(path=base / sat.path, service_account=pod.spec.service_account_name
+                                           or "default", audience=sat.audience or "", seconds=sat.expiration_seconds
+                                           or 3600)  # fmt: skip
+                    self._mint(run, token)
+                    run.tokens.append(token)
             return base, None
         raise RuntimeError(f"volume {volume.name}: only configMap, persistentVolumeClaim, emptyDir, hostPath")
 
@@ -397,6 +417,25 @@ class NodeAgent:
         script = run.workdir / "run.sh"
         script.write_text("\n".join(lines) + "\n")
         return script
+
+    def _mint(self, run: PodRun, token: ProjectedToken) -> None:
+        """A token for the audience, bound to the pod (void once it is gone), written atomically."""
+        bound = {"kind": "Pod", "apiVersion": "v1", "name": run.name, "uid": run.uid}
+        spec = {"audiences": [token.audience] if token.audience else None, "expirationSeconds": token.seconds,
+                "boundObjectRef": bound}  # fmt: skip
+        body = {"spec": spec}
+        minted = self.api.create_namespaced_service_account_token(token.service_account, run.namespace, body)
+        tmp = token.path.with_name(token.path.name + ".tmp")
+        tmp.write_text(minted.status.token)
+        os.replace(tmp, token.path)
+        token.minted = time.monotonic()
+
+    def _rotate_tokens(self) -> None:
+        """Renew each token at 80% of its lifetime, as the kubelet does."""
+        for run in list(self.runs.values()):
+            for token in run.tokens:
+                if run.node not in self.down and time.monotonic() - token.minted > 0.8 * token.seconds:
+                    self._mint(run, token)
 
     def _report_exit(self, run: PodRun, pod) -> None:
         assert run.proc is not None

@@ -84,6 +84,8 @@ def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProce
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     # A short restart grace: KWOK removes deleted pods at once anyway, but a pod left stuck (a dead kubelet)
     # must outlive its grace before the operator may force it out.
-    op = OperatorProcess(cluster.kubeconfig, log, RESTART_GRACE_SECONDS="3", SUSPEND_GRACE_SECONDS="5").start()
+    op = OperatorProcess(
+        cluster.kubeconfig, log, RESTART_GRACE_SECONDS="3", SUSPEND_GRACE_SECONDS="5", PROGRESS_WRITE_SECONDS="1"
+    ).start()
     yield op
     op.stop()

@@ -17,8 +17,7 @@ def main() -> int:
         kopf.operator(
             clusterwide=not settings.namespaces,
             namespaces=settings.namespaces,
-            standalone=not settings.peering,
-            peering_name=settings.peering,
+            standalone=True,  # replicas elect the one that acts through a Lease (election.py), not kopf peering
         )
     )
     return 0

@@ -26,7 +26,7 @@ from sharded_operator.models import (
 from sharded_operator.quantity import quantity_value
 from sharded_operator.settings import OperatorSettings
 from sharded_trainer.config import CheckpointConfig, TrainerConfig
-from sharded_trainer.contract import CONTRACT_VERSION, PodEnv
+from sharded_trainer.contract import CONTRACT_VERSION, PROGRESS_TOKEN_DIR, PROGRESS_TOKEN_FILE, PodEnv
 
 SHM_DEFAULT_BYTES = 2 * 2**30
 _MAX_QUANTITY = Decimal(2**63 - 1)
@@ -213,6 +213,7 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
     }
     if settings.progress_url:
         env[PodEnv.PROGRESS_URL] = settings.progress_url
+        env[PodEnv.PROGRESS_TOKEN_FILE] = f"{PROGRESS_TOKEN_DIR}/{PROGRESS_TOKEN_FILE}"
     if s.resources.gpus_per_node == 0:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU fallback, even on a node that has GPUs
     ib = s.network.infiniband
@@ -284,6 +285,13 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
                 "subPath": s.checkpoint.sub_path or _name(job),
             }
         )
+    if settings.progress_url:
+        # The pod proves who it is to the operator with a token for the operator's audience only, bound to
+        # the pod (void once it is gone) and rotated by the kubelet: not an API credential.
+        token = {"audience": settings.progress_audience, "expirationSeconds": settings.token_seconds,
+                 "path": PROGRESS_TOKEN_FILE}  # fmt: skip
+        volumes.append({"name": "progress-token", "projected": {"sources": [{"serviceAccountToken": token}]}})
+        mounts.append({"name": "progress-token", "mountPath": PROGRESS_TOKEN_DIR, "readOnly": True})
     volumes += s.pod.volumes
     mounts += s.pod.volume_mounts
 
@@ -299,9 +307,15 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
         container["imagePullPolicy"] = s.pod.image_pull_policy
     if resources := _resources(job):
         container["resources"] = resources
+    # Pod Security `restricted` by default; InfiniBand adds IPC_LOCK only (registering RDMA memory pins
+    # pages), which needs the `privileged` level.
+    caps: dict[str, list[str]] = {"drop": ["ALL"]}
     if s.network.infiniband.enabled:
-        # Registering RDMA memory pins pages: needs IPC_LOCK (memlock) in the container.
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+        caps["add"] = ["IPC_LOCK"]
+    container["securityContext"] = {
+        "allowPrivilegeEscalation": False, "capabilities": caps, "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }  # fmt: skip
 
     spec: dict[str, Any] = {
         "hostname": pod_name(job, index),
@@ -313,7 +327,13 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
         "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": volumes,
-    }
+        # Non-root, and the claim writable through the group (fsGroup), as the trainer image's user.
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": settings.pod_uid, "runAsGroup": settings.pod_uid,
+            "fsGroup": settings.pod_uid, "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }  # fmt: skip
     if s.network.host_network:
         spec["hostNetwork"] = True
         spec["dnsPolicy"] = "ClusterFirstWithHostNet"

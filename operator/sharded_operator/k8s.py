@@ -130,24 +130,92 @@ class Kube:
                 raise
 
     @retrying
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any], uid: str | None = None) -> bool:
-        """Write a job's status. With `uid`, only onto that very object: a job deleted and created again
-        under its name in the meantime is another object, and this status is not its (returns False)."""
-        body: Any = {"status": status}
-        kwargs = {}
-        if uid:  # a JSON patch whose first operation tests the UID: for another object, nothing is applied
-            body = [
-                {"op": "test", "path": "/metadata/uid", "value": uid},
-                {"op": "add", "path": "/status", "value": status},
-            ]
-            kwargs["_content_type"] = "application/json-patch+json"
+    def patch_status(
+        self, namespace: str, name: str, status: dict[str, Any], uid: str, before: dict[str, Any] | None = None
+    ) -> bool:
+        """Write the status fields that differ from `before` (all of them without it), only onto the object
+        with this `uid`: a JSON patch whose first operation tests it, so a job deleted and created again under
+        its name meanwhile is left alone (returns False). Fields neither side names are not touched: progress
+        reports write theirs on their own."""
+        ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": uid}]
+        if before is None:
+            ops.append({"op": "add", "path": "/status", "value": status})
+        else:
+            for key in sorted(set(status) | set(before)):
+                if key not in status:
+                    ops.append({"op": "remove", "path": f"/status/{key}"})
+                elif status[key] != before.get(key):
+                    ops.append({"op": "add", "path": f"/status/{key}", "value": status[key]})
         try:
-            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body, **kwargs)
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, ops, _content_type="application/json-patch+json"
+            )
         except ApiException as e:
-            if uid and e.status in (404, 409, 422):
+            if e.status in (404, 409, 422):
                 return False
             raise
         return True
+
+    @retrying
+    def patch_report(self, namespace: str, name: str, fields: dict[str, Any], resource_version: str) -> bool:
+        """Merge a progress report's status fields into the job as it was at `resource_version`; False when
+        the job changed since (read it again and merge anew) or is gone."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": fields}
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, body, _content_type="application/merge-patch+json"
+            )
+        except ApiException as e:
+            if e.status in (404, 409):
+                return False
+            raise
+        return True
+
+    def lease(
+        self, namespace: str, name: str, spec_for: Callable[[dict[str, Any] | None], dict[str, Any] | None]
+    ) -> bool:
+        """Acquire or renew a Lease: `spec_for(current spec or None)` gives the spec to write, or None to
+        leave it; written only over the version read (a replica that raced us wins). True if written."""
+        coordination = client.CoordinationV1Api(self.api_client)
+        try:
+            current = self._dict(coordination.read_namespaced_lease(name, namespace))
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            current = None
+        spec = spec_for(current.get("spec") if current else None)
+        if spec is None:
+            return False
+        try:
+            if current is None:
+                body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                        "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
+                coordination.create_namespaced_lease(namespace, body)
+            else:
+                current["spec"] = spec
+                coordination.replace_namespaced_lease(name, namespace, current)
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
+    @retrying
+    def token_review(self, token: str, audience: str) -> dict[str, Any]:
+        """The API server's verdict on a token for `audience` (TokenReview status)."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [audience]}}  # fmt: skip
+        review = client.AuthenticationV1Api(self.api_client).create_token_review(body)
+        return self._dict(review).get("status") or {}
+
+    @retrying
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._dict(self.core.read_namespaced_pod(name, namespace))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
 
     @retrying
     def delete_job(self, namespace: str, name: str) -> None:

@@ -13,29 +13,33 @@ from typing import Any
 from pydantic import ValidationError
 
 from sharded_operator import builders
+from sharded_operator.election import Leadership
 from sharded_operator.failure import missing_pods
 from sharded_operator.k8s import Kube, MissingAPI, Refused
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
+from sharded_operator.progress import REPORT_FIELDS
 from sharded_operator.settings import OperatorSettings
 from sharded_operator.status import decide, record_refusal, set_phase
 from sharded_operator.views import NodeView, Observed, PodView, controller_uid
-from sharded_operator.web import Metrics, ProgressStore
+from sharded_operator.web import Health, Metrics
 from sharded_trainer.config import format_validation_error
 from sharded_trainer.contract import iso
 
 
 @dataclass
 class Context:
-    """What every reconcile shares: settings, the API, progress reports, metrics, per-job locks."""
+    """What every reconcile shares: settings, the API, metrics, per-job locks, what pod events told."""
 
     settings: OperatorSettings
     kube: Kube
-    progress: ProgressStore = field(default_factory=ProgressStore)
     metrics: Metrics = field(default_factory=Metrics)
     locks: defaultdict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
     departed: dict[str, dict[str, PodView]] = field(default_factory=dict)  # "ns/job" -> pod name -> last view
     missing: dict[str, dict[str, str]] = field(default_factory=dict)  # "ns/job" -> pod name -> missing since
     known: set[tuple[str, str]] = field(default_factory=set)  # (namespace, name) of every job seen: resynced
+    seen: dict[str, str] = field(default_factory=dict)  # job UID -> digest of the version last reconciled on
+    leadership: Leadership = field(default_factory=lambda: Leadership("", enabled=False))
+    health: Health = field(default_factory=lambda: Health(float("inf")))
 
     def pod_gone(self, namespace: str, job: str, pod: dict[str, Any]) -> None:
         """Keep a deleted pod's last state (why it went) until a reconcile of its job has seen it."""
@@ -43,8 +47,7 @@ class Context:
         self.departed.setdefault(f"{namespace}/{job}", {})[view.name] = view
 
     def forget(self, uid: str, namespace: str = "", name: str = "") -> None:
-        """Drop what is kept per job once the job is gone: its last report, departed pods, phase gauge."""
-        self.progress.forget(uid)
+        """Drop what is kept per job once the job is gone: departed pods, missing pods, phase gauge."""
         self.departed.pop(f"{namespace}/{name}", None)
         self.missing.pop(f"{namespace}/{name}", None)
         self.known.discard((namespace, name))
@@ -81,7 +84,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         departed = ctx.departed.get(key, {})
         nodes = {n["metadata"]["name"]: NodeView.from_node(n) for n in ctx.kube.nodes()}
         foreign = [p.name for p in labelled if p.owner_uid != uid]
-        observed = Observed(pods=pods, nodes=nodes, progress=ctx.progress.get(uid), departed=departed, foreign=foreign)
+        observed = Observed(pods=pods, nodes=nodes, departed=departed, foreign=foreign)
         now = dt.datetime.now(dt.UTC)
         seen_missing = ctx.missing.get(key, {})
         ctx.missing[key] = {p: seen_missing.get(p, iso(now)) for p in missing_pods(job, job.status, observed)}
@@ -120,10 +123,14 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
                           iso(now))  # fmt: skip
             record_refusal(plan, refusal, iso(now))
         # 3. one status write, only when something changed
+        #    (the fields progress reports write are theirs: this patch never names them)
         before = job.status
-        new = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
-        changed = new != before.model_dump(by_alias=True, exclude_none=True, mode="json")
-        if changed and not ctx.kube.patch_status(namespace, name, new, uid=uid):
+        old = _owned(before.model_dump(by_alias=True, exclude_none=True, mode="json"))
+        new = _owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
+        written = new == old or ctx.kube.patch_status(
+            namespace, name, new, uid=uid, before=old if body.get("status") else None
+        )
+        if not written:
             logger.info("the job was replaced while it was being reconciled: its status is the new one's to write")
             return None
         # 4. events and metrics for what changed, once the status that records it is written: a
@@ -163,6 +170,10 @@ def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]
         if not ctx.kube.create(ns, pvc) and _held(ctx.kube.read_meta(ns, pvc), uid):
             return f"{pvc['kind']} {pvc['metadata']['name']}"
     return None
+
+
+def _owned(status: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in status.items() if k not in REPORT_FIELDS}
 
 
 def _held(meta: dict[str, Any] | None, uid: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -20,14 +21,38 @@ class OperatorSettings(BaseModel):
     namespaces: list[str] = Field(
         default_factory=list, description="Namespaces to watch (comma-separated); empty watches the whole cluster."
     )
-    http_host: str = Field("0.0.0.0", description="Address of the HTTP server (/metrics, /healthz, /progress).")
-    http_port: int = Field(8080, description="Port of the HTTP server.")
+    http_host: str = Field("0.0.0.0", description="Address of the HTTP servers (/metrics, /healthz; /progress).")
+    http_port: int = Field(8080, ge=1, le=65535, description="Port of /metrics and /healthz.")
+    progress_port: int = Field(8081, ge=1, le=65535, description="Port of POST /progress (training pods only).")
     progress_url: str | None = Field(
         None,
-        description="URL pods post progress to (e.g. http://sharded-operator.ops.svc:8080/progress); "
+        description="URL pods post progress to (e.g. http://sharded-operator.ops.svc:8081/progress); "
         "unset disables live progress.",
     )
-    peering: str | None = Field(None, description="kopf peering object name for HA (one active operator).")
+    progress_audience: str = Field(
+        "training.sharded.dev/progress", min_length=1, max_length=253,
+        description="Audience of the projected ServiceAccount token a pod proves itself with.",
+    )  # fmt: skip
+    progress_write_seconds: float = Field(
+        10.0, ge=0, le=3600, description="At most one progress write into a job's status per this many seconds."
+    )
+    reports_per_second: float = Field(2.0, gt=0, description="Progress reports taken per pod per second (burst x5).")
+    token_reviews_per_second: float = Field(
+        50.0, gt=0, description="TokenReviews of unknown tokens per second, for all pods (burst x2)."
+    )
+    token_seconds: int = Field(3600, ge=600, le=86400, description="Lifetime of the pods' progress tokens.")
+    stuck_seconds: float = Field(
+        120.0, gt=0, description="/healthz fails when one of the operator's loops has not run for this long."
+    )
+    lease_name: str | None = Field(
+        None, max_length=253,
+        description="Lease through which replicas elect the one that acts (HA); unset: this replica always acts.",
+    )  # fmt: skip
+    lease_namespace: str = Field("default", max_length=63, description="Namespace of the Lease (the operator's).")
+    identity: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", max_length=253,
+        description="This replica's name in the Lease.",
+    )  # fmt: skip
     resync_seconds: float = Field(5.0, gt=0, description="How often each job is reconciled without events.")
     restart_grace_seconds: int = Field(30, ge=0, description="Grace period when a gang is torn down for a restart.")
     suspend_grace_seconds: int = Field(
@@ -35,6 +60,7 @@ class OperatorSettings(BaseModel):
     )
     trainer_config_path: str = Field(DEFAULT_CONFIG_PATH, description="Where pods read the trainer config.")
     cpu_procs_per_node: int = Field(2, ge=1, description="procsPerNode 'auto' on a CPU-only job.")
+    pod_uid: int = Field(1000, ge=1, le=2**31 - 1, description="UID and GID training pods run as (the image's user).")
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 
     @field_validator("namespaces", mode="before")

@@ -20,26 +20,18 @@ from sharded_operator.failure import (
 )
 from sharded_operator.models import (
     FINISHED,
-    CheckpointStatus,
     Condition,
     ConditionType,
     FailureInfo,
     Phase,
-    Progress,
     ShardedTrainingJob,
     ShardedTrainingJobStatus,
-    TrainerEventCursor,
 )
 from sharded_operator.views import POD_FINISHED, Observed, PodView
-from sharded_trainer.contract import ProgressReport, TrainerEventType, iso, parse_iso
+from sharded_trainer.contract import iso, parse_iso
 
 # The conditions set_phase keeps in step with the phase.
 PHASE_CONDITIONS = tuple(c for c in ConditionType if c.value in {p.value for p in Phase})
-# How each trainer event shows among the job's Kubernetes events.
-_EVENT_TYPES = {
-    TrainerEventType.CHECKPOINT_SET_ASIDE: "Warning",
-    TrainerEventType.INCOMPATIBLE_CHECKPOINT: "Warning",
-}
 
 
 @dataclass
@@ -146,8 +138,6 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     current = [p for p in obs.pods if p.attempt == status.attempt]
     stale = [p for p in obs.pods if p.attempt != status.attempt]
 
-    _merge_report(plan, obs.progress, ts)
-
     if spec.run_policy.suspend:
         plan.delete = [p.name for p in obs.pods if not p.deleting]
         own = spec.run_policy.termination_grace_seconds
@@ -229,36 +219,6 @@ def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], no
         reason = stuck[0].stuck.split(":", 1)[0]
         verdict = (reason, f"pod {stuck[0].name} stuck for more than {timeout}s: {stuck[0].stuck}")
     _announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
-
-
-def _merge_report(plan: Plan, report: ProgressReport | None, now: str) -> None:
-    """Rank 0's latest report of the current attempt: its progress, and its events not reported yet.
-
-    `observedAt` is when the operator first saw this report: hang detection runs on the operator's
-    clock, from this attempt's newest report, whatever the trainer's clock says.
-    """
-    status = plan.status
-    if report is None or report.attempt != status.attempt:
-        return
-    old = status.progress
-    key = (report.attempt, report.step, report.updated_at)
-    seen = old is not None and (old.attempt, old.step, old.updated_at) == key
-    status.progress = Progress(
-        step=report.step, total_steps=report.total_steps, loss=report.loss, tokens_per_second=report.tokens_per_second,
-        mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt,
-        observed_at=old.observed_at if seen and old else now,
-    )  # fmt: skip
-    if report.last_checkpoint:
-        status.last_checkpoint = CheckpointStatus.model_validate(report.last_checkpoint.model_dump())
-    cursor = status.last_trainer_event
-    seen = cursor.seq if cursor and (cursor.attempt, cursor.run) == (report.attempt, report.run) else 0
-    new = [e for e in report.events if e.seq > seen]
-    for e in new:
-        plan.events.append((_EVENT_TYPES.get(e.type, "Normal"), e.type.value, e.message))
-        if e.type == TrainerEventType.RESUMED and e.checkpoint:
-            status.resumed_from = CheckpointStatus.model_validate(e.checkpoint.model_dump())
-    if new:
-        status.last_trainer_event = TrainerEventCursor(attempt=report.attempt, run=report.run, seq=new[-1].seq)
 
 
 def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace: int, now: dt.datetime) -> Plan:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sharded_operator.models import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX
-from sharded_trainer.contract import ProgressReport, iso, parse_iso
+from sharded_trainer.contract import iso, parse_iso
 
 # Kubernetes pod phases (the pod's, not the job's).
 POD_FINISHED = ("Succeeded", "Failed")
@@ -124,7 +124,6 @@ class NodeView:
 class Observed:
     pods: list[PodView]
     nodes: dict[str, NodeView] | None = None  # existing nodes by name; None if not known
-    progress: ProgressReport | None = None  # latest report of rank 0
     # The last state of pods already gone from the API server, as their deletion event carried it: a pod
     # deleted at once (grace 0, or no kubelet) is never listed while Terminating.
     departed: dict[str, PodView] = field(default_factory=dict)

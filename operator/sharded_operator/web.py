@@ -1,25 +1,17 @@
-"""The operator's HTTP endpoint: Prometheus /metrics, /healthz, and POST /progress from rank 0 of each job.
-
-A progress report is a `contract.ProgressReport`, validated here with the model the trainer wrote it
-with: a body that is not one (wrong types, unknown keys, out-of-range numbers, another contract
-version) is refused with 400 and the reason. Reports carry the job's UID, which a pod learns from its
-own environment; knowing the UID is the capability to report for that job, so training pods need no
-RBAC rights at all.
-"""
+"""The operator's HTTP endpoints: /metrics and /healthz on one port, POST /progress on another (what a
+report is and who may send one: `intake`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import ValidationError
 
 from sharded_operator.models import Phase
-from sharded_trainer.config import format_validation_error
-from sharded_trainer.contract import ProgressReport
-
-MAX_TRACKED_JOBS = 10_000
+from sharded_trainer.contract import MAX_REPORT_BYTES
 
 
 class Metrics:
@@ -43,8 +35,9 @@ class Metrics:
             registry=self.registry,
         )
         self.progress_reports = Counter(
-            "sharded_progress_reports_total", "Progress reports received", registry=self.registry
-        )
+            "sharded_progress_reports_total", "Progress reports by answer (HTTP status)", ["code"],
+            registry=self.registry,
+        )  # fmt: skip
         self._phases: dict[str, str] = {}
 
     def observe_phase(self, uid: str, phase: str | None) -> None:
@@ -59,45 +52,45 @@ class Metrics:
             self.jobs_by_phase.labels(p.value).set(counts.get(p, 0))
 
 
-class ProgressStore:
-    """The newest report per job UID."""
+class Health:
+    """Liveness: the operator's loops say they are alive; /healthz fails once one has been silent too long."""
 
-    def __init__(self) -> None:
-        self.latest: dict[str, tuple[float, ProgressReport]] = {}
+    def __init__(self, limit: float, clock: Callable[[], float] = time.monotonic):
+        self.limit, self.clock = limit, clock
+        self.beats: dict[str, float] = {}
 
-    def put(self, report: ProgressReport) -> None:
-        if len(self.latest) >= MAX_TRACKED_JOBS and report.uid not in self.latest:
-            oldest = min(self.latest, key=lambda k: self.latest[k][0])
-            del self.latest[oldest]
-        self.latest[report.uid] = (time.time(), report)
+    def beat(self, loop: str) -> None:
+        self.beats[loop] = self.clock()
 
-    def get(self, uid: str) -> ProgressReport | None:
-        entry = self.latest.get(uid)
-        return entry[1] if entry else None
-
-    def forget(self, uid: str) -> None:
-        self.latest.pop(uid, None)
+    def stale(self) -> list[str]:
+        now = self.clock()
+        return sorted(name for name, at in self.beats.items() if now - at > self.limit)
 
 
-def make_app(metrics: Metrics, progress: ProgressStore) -> web.Application:
+def metrics_app(metrics: Metrics, health: Health) -> web.Application:
     async def get_metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
+        if stale := health.stale():
+            return web.Response(status=503, text=f"stuck: {', '.join(stale)}")
         return web.Response(text="ok")
 
-    async def post_progress(request: web.Request) -> web.Response:
-        try:
-            report = ProgressReport.model_validate_json(await request.read())
-        except ValidationError as e:
-            return web.json_response({"error": format_validation_error(e)}, status=400)
-        progress.put(report)
-        metrics.progress_reports.inc()
-        return web.json_response({"ok": True})
-
-    app = web.Application(client_max_size=64 * 1024)
+    app = web.Application()
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/healthz", healthz)
+    return app
+
+
+def progress_app(take: Callable[[str | None, bytes], Awaitable[tuple[int, dict[str, Any]]]]) -> web.Application:
+    """POST /progress: `take(Authorization header, body)` answers (HTTP status, JSON body)."""
+
+    async def post_progress(request: web.Request) -> web.Response:
+        body = await request.content.read(MAX_REPORT_BYTES + 1)
+        status, answer = await take(request.headers.get("Authorization"), body)
+        return web.json_response(answer, status=status)
+
+    app = web.Application(client_max_size=MAX_REPORT_BYTES + 1)
     app.router.add_post("/progress", post_progress)
     return app
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import time
 import urllib.request
 
@@ -370,48 +369,6 @@ def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, c
     kube = Kube(custom.api_client)
     assert kube.patch_status(ops.ns, "j", {"phase": "Failed", "restarts": 7}, uid=old_uid) is False
     assert ops.status().get("restarts", 0) == 0
-
-
-def post_report(operator, report: dict) -> int:
-    req = urllib.request.Request(f"{operator.url}/progress", data=json.dumps(report).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def test_progress_reported_by_rank_zero_shows_in_status_and_its_events_once(ops, operator, core):
-    job = ops.create(gpu_job())
-    ops.wait_running_attempt(1, 2)
-    ckpt = {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"}
-    report = {
-        "uid": job["metadata"]["uid"], "namespace": ops.ns, "name": "j", "attempt": 1, "run": "r1", "step": 40,
-        "totalSteps": 100, "loss": 2.25, "tokensPerSecond": 123456.0, "updatedAt": "2026-01-01T00:00:00Z",
-        "lastCheckpoint": ckpt,
-        "events": [{"seq": 1, "type": "CheckpointCommitted", "message": "checkpoint at step 30 committed",
-                    "step": 30, "checkpoint": ckpt, "time": "2026-01-01T00:00:00Z"}],
-    }  # fmt: skip
-    assert post_report(operator, report) == 200
-    status = wait_for(lambda: (s := ops.status()).get("progress", {}).get("step") == 40 and s, what="progress")
-    assert status["progress"]["loss"] == 2.25 and status["progress"]["totalSteps"] == 100
-    assert status["lastCheckpoint"] == ckpt
-    assert status["lastTrainerEvent"] == {"attempt": 1, "run": "r1", "seq": 1}
-
-    def committed_events():
-        events = core.list_namespaced_event(ops.ns).items
-        return [e for e in events if e.reason == "CheckpointCommitted" and e.involved_object.name == "j"]
-
-    wait_for(committed_events, what="a CheckpointCommitted event")
-    # The trainer re-sends its newest events with every report: the operator reports each one once.
-    assert post_report(operator, {**report, "step": 41}) == 200
-    wait_for(lambda: ops.status().get("progress", {}).get("step") == 41, what="the next report")
-    assert len(committed_events()) == 1
-
-    # A forged or broken report is refused whole; the job's status keeps the last good one.
-    for bad in ({**report, "loss": "x"}, {**report, "lastCheckpoint": {**ckpt, "forged": 1}}, [1]):
-        assert post_report(operator, bad) == 400
-    assert ops.status()["progress"]["step"] == 41 and ops.status()["phase"] == "Running"
 
 
 def test_missing_gang_scheduler_fails_the_job_with_a_clear_message(ops):

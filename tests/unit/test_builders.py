@@ -9,6 +9,7 @@ from jobs import make_job
 from sharded_operator import builders
 from sharded_operator.settings import OperatorSettings
 from sharded_trainer.config import TrainerConfig
+from sharded_trainer.contract import PodEnv
 
 SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
 
@@ -183,3 +184,28 @@ def test_a_spec_edit_reaches_the_next_attempts_pods_only():
     pod = builders.build_pod(edited, 0, 2, SETTINGS)
     assert {"name": "trainer-config", "configMap": {"name": after}} in pod["spec"]["volumes"]
     assert builders.build_config_map(edited, SETTINGS)["metadata"]["name"] == after
+
+
+def test_pods_pass_pod_security_restricted_by_default():
+    pod = builders.build_pod(make_job().model(), 0, 1, SETTINGS)
+    spec, c = pod["spec"], pod["spec"]["containers"][0]
+    assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 1000
+    assert spec["securityContext"]["fsGroup"] == 1000  # the checkpoint claim is writable through the group
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert spec["automountServiceAccountToken"] is False and "hostNetwork" not in spec
+
+
+def test_pods_prove_themselves_to_the_operator_with_a_projected_token_for_its_audience_only():
+    pod = builders.build_pod(make_job().model(), 0, 1, SETTINGS)
+    [volume] = [v for v in pod["spec"]["volumes"] if "projected" in v]
+    [source] = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == SETTINGS.progress_audience
+    assert source["serviceAccountToken"]["expirationSeconds"] == SETTINGS.token_seconds
+    [mount] = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    token_file = f"{mount['mountPath']}/{source['serviceAccountToken']['path']}"
+    assert env_of(pod)[PodEnv.PROGRESS_TOKEN_FILE.value] == token_file
+    # Without a progress URL there is nothing to prove: no token at all.
+    bare = builders.build_pod(make_job().model(), 0, 1, OperatorSettings())
+    assert not [v for v in bare["spec"]["volumes"] if "projected" in v]

@@ -8,6 +8,8 @@ import datetime as dt
 import pytest
 
 from jobs import make_job
+from sharded_operator.models import ShardedTrainingJobStatus
+from sharded_operator.progress import merge_report
 from sharded_operator.status import decide
 from sharded_operator.views import NodeView, Observed, PodView
 from sharded_trainer.contract import ProgressReport, iso
@@ -46,8 +48,13 @@ def report(attempt: int, step: int, updated_at: str) -> ProgressReport:
 
 
 def decide_on(job, observed: list[PodView] | None = None, progress: ProgressReport | None = None, nodes=None):
-    return decide(job.model(), Observed(pods=pods(2) if observed is None else observed, nodes=nodes,
-                                        progress=progress), NOW, GRACE)  # fmt: skip
+    """decide() on the job, after `progress` was written into its status as the operator writes reports."""
+    model = job.model()
+    if progress is not None:
+        fields, _ = merge_report(model.status, progress, iso(NOW))
+        status = model.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+        model.status = ShardedTrainingJobStatus.model_validate({**status, **fields})
+    return decide(model, Observed(pods=pods(2) if observed is None else observed, nodes=nodes), NOW, GRACE)
 
 
 # --- hangs -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from jobs import make_job
 from sharded_operator.status import decide
 from sharded_operator.views import NodeView, Observed, PodView
-from sharded_trainer.contract import ProgressReport, TrainerEventType, iso
+from sharded_trainer.contract import iso
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 GRACE = {"restart": 30, "suspend": 120}
@@ -19,16 +19,6 @@ def pods(n: int, phase: str = "Running", attempt: int = 1, **overrides) -> list[
     return [
         PodView(name=f"j-{i}", index=i, attempt=attempt, phase=phase, node=f"node-{i}", **overrides) for i in range(n)
     ]
-
-
-def report(**fields) -> ProgressReport:
-    """A report of rank 0 of job `j`'s attempt 1, as the trainer posts it."""
-    base = {"uid": "uid-j", "namespace": "default", "name": "j", "attempt": 1, "run": "r1", "step": 1}
-    return ProgressReport.model_validate({**base, "updatedAt": iso(NOW), **fields})
-
-
-def event(seq: int, type_: TrainerEventType = TrainerEventType.CHECKPOINT_COMMITTED, **fields) -> dict:
-    return {"seq": seq, "type": type_.value, "message": f"event {seq}", "time": iso(NOW), **fields}
 
 
 def running(**status):
@@ -136,53 +126,6 @@ def test_active_deadline_fails_the_job():
     plan = decide(job, Observed(pods=pods(2)), NOW, GRACE)
     assert plan.status.phase == "Failed" and plan.status.message.startswith("active for more than 600s")
     assert sorted(plan.delete) == ["j-0", "j-1"]  # cleanPodPolicy Running
-
-
-def test_progress_report_fills_progress_and_last_checkpoint():
-    rep = report(
-        step=40, totalSteps=100, loss=2.5, tokensPerSecond=1e5,
-        lastCheckpoint={"step": 30, "path": "/checkpoints/step-00000030", "time": iso(NOW)},
-    )  # fmt: skip
-    plan = decide(running().model(), Observed(pods=pods(2), progress=rep), NOW, GRACE)
-    assert plan.status.progress.step == 40 and plan.status.progress.loss == 2.5
-    assert plan.status.last_checkpoint.step == 30
-    old = rep.model_copy(update={"attempt": 0, "step": 1})
-    assert decide(running().model(), Observed(pods=pods(2), progress=old), NOW, GRACE).status.progress is None
-
-
-def test_last_trainer_event_become_kubernetes_events_once():
-    rep = report(events=[event(1), event(2, TrainerEventType.CHECKPOINT_SET_ASIDE)])
-    job = running().model()
-    plan = decide(job, Observed(pods=pods(2), progress=rep), NOW, GRACE)
-    assert ("Normal", "CheckpointCommitted", "event 1") in plan.events
-    assert ("Warning", "CheckpointSetAside", "event 2") in plan.events
-    assert plan.status.last_trainer_event.model_dump() == {"attempt": 1, "run": "r1", "seq": 2}
-    # The same report again (the trainer re-sends its newest events), then one more event: only that one.
-    job.status = plan.status
-    again = decide(job, Observed(pods=pods(2), progress=rep), NOW, GRACE)
-    assert not [e for e in again.events if e[1].startswith("Checkpoint")]
-    more = report(events=[event(1), event(2), event(3, TrainerEventType.RESUMED)])
-    reasons = [e[1] for e in decide(job, Observed(pods=pods(2), progress=more), NOW, GRACE).events]
-    assert reasons == ["ResumedFromCheckpoint"]
-
-
-def test_a_restarted_trainer_process_reports_its_events_from_the_start():
-    job = running(lastTrainerEvent={"attempt": 1, "run": "r1", "seq": 5}).model()
-    restarted = report(run="r2", events=[event(1, TrainerEventType.RESUMED)])
-    plan = decide(job, Observed(pods=pods(2), progress=restarted), NOW, GRACE)
-    assert [e[1] for e in plan.events] == ["ResumedFromCheckpoint"] and plan.status.last_trainer_event.run == "r2"
-
-
-def test_the_checkpoint_resumed_from_shows_in_status():
-    checkpoint = {"step": 20, "path": "/checkpoints/j/step-00000020"}
-    resumed = event(1, TrainerEventType.RESUMED, step=20, checkpoint=checkpoint)
-    plan = decide(running().model(), Observed(pods=pods(2), progress=report(events=[resumed])), NOW, GRACE)
-    assert plan.status.resumed_from.step == 20 and plan.status.resumed_from.path.endswith("step-00000020")
-
-
-def test_events_of_another_attempt_are_not_reported():
-    stale = report(attempt=0, events=[event(1)])
-    assert not decide(running().model(), Observed(pods=pods(2), progress=stale), NOW, GRACE).events
 
 
 @pytest.mark.parametrize("policy,expected", [("None", []), ("Running", ["j-1"]), ("All", ["j-0", "j-1"])])

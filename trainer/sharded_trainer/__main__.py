@@ -51,6 +51,7 @@ def _report_target() -> ReportTarget | None:
         namespace=os.environ.get(PodEnv.JOB_NAMESPACE, ""),
         name=os.environ.get(PodEnv.JOB_NAME, ""),
         attempt=int(os.environ.get(PodEnv.ATTEMPT, "0")),
+        token_file=os.environ.get(PodEnv.PROGRESS_TOKEN_FILE),
     )
 
 

@@ -40,6 +40,7 @@ class PodEnv(StrEnum):
     ATTEMPT = "SHARDED_ATTEMPT"
     RDZV_TIMEOUT = "SHARDED_RDZV_TIMEOUT"
     PROGRESS_URL = "SHARDED_PROGRESS_URL"
+    PROGRESS_TOKEN_FILE = "SHARDED_PROGRESS_TOKEN_FILE"  # the pod's projected token for the operator's audience
     CONTRACT_VERSION = "SHARDED_CONTRACT_VERSION"
     POD_NAME = "POD_NAME"
     NODE_NAME = "NODE_NAME"
@@ -133,6 +134,10 @@ CONTRACT_VERSION = 1
 # message naming these, rather than misread.
 SUPPORTED_VERSIONS = frozenset({1})
 MAX_EVENTS = 32  # newest trainer events a report carries; older ones were sent in earlier reports
+MAX_REPORT_BYTES = 16 * 1024  # the operator refuses a larger body; the reporter leaves old events out to fit
+# The pod's projected ServiceAccount token for the operator's audience, refreshed by the kubelet.
+PROGRESS_TOKEN_DIR = "/var/run/secrets/training.sharded.dev/progress"
+PROGRESS_TOKEN_FILE = "token"
 
 IsoTime = Annotated[str, Field(pattern=ISO_PATTERN, max_length=20, description="RFC 3339 time in UTC.")]
 Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]

@@ -1,16 +1,20 @@
 """Rank 0's reports: progress and trainer events as a `contract.ProgressReport`, posted to the operator.
 
-The post runs on a background thread and is skipped while the previous one is in flight, so a slow or
-unreachable operator never stalls training; the next report carries whatever was skipped (progress is
-a state, and the newest `MAX_EVENTS` events ride along until they are acknowledged by a later post).
+The post runs on a background thread, at most once per `MIN_INTERVAL`, and is skipped while the
+previous one is in flight, so a slow or unreachable operator never stalls training; the next report
+carries whatever was skipped (progress is a state, and events ride along until the operator answers
+that they are in the job's status). Each post carries the pod's projected token, read anew every time
+(the kubelet rotates it), and stays within `MAX_REPORT_BYTES` by leaving the oldest events out.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -22,6 +26,7 @@ from pydantic import ValidationError
 
 from sharded_trainer.contract import (
     MAX_EVENTS,
+    MAX_REPORT_BYTES,
     ProgressReport,
     TrainerEvent,
     TrainerEventType,
@@ -39,6 +44,10 @@ class ReportTarget:
     namespace: str
     name: str
     attempt: int
+    token_file: str | None = None
+
+
+MIN_INTERVAL = 1.0  # seconds between posts; the operator limits each pod's rate too
 
 
 def log(msg: str) -> None:
@@ -54,6 +63,8 @@ class ProgressReporter:
         self.progress: dict[str, Any] = {"step": 0, "total_steps": total_steps}
         self.events: list[TrainerEvent] = []
         self._seq = 0
+        self._lock = threading.Lock()  # events: appended by training, acknowledged by the posting thread
+        self._last_post = float("-inf")
         self._posting: threading.Thread | None = None
         self._unsent: bytes | None = None  # the newest report, when it was skipped for one in flight
 
@@ -70,11 +81,13 @@ class ProgressReporter:
         self._seq += 1
         fields = {"seq": self._seq, "type": type_, "message": message[:1024], "step": step, "time": iso()}
         try:
-            self.events.append(TrainerEvent.model_validate({**fields, "checkpoint": checkpoint}))
+            event = TrainerEvent.model_validate({**fields, "checkpoint": checkpoint})
         except ValidationError as e:  # a checkpoint path beyond the contract's bound: the event still counts
             log(f"leaving the checkpoint out of a {type_.value} event: {e.errors()[0]['msg']}")
-            self.events.append(TrainerEvent.model_validate(fields))
-        del self.events[:-MAX_EVENTS]
+            event = TrainerEvent.model_validate(fields)
+        with self._lock:
+            self.events.append(event)
+            del self.events[:-MAX_EVENTS]
 
     def checkpoint_committed(self, committed: dict) -> None:
         """A checkpoint's marker was written: an event, and the newest checkpoint in progress."""
@@ -96,18 +109,31 @@ class ProgressReporter:
             tmp.write_text(progress.model_dump_json(by_alias=True, exclude_none=True))
             os.replace(tmp, self.path)
         if self.target:
-            t = self.target
-            report = ProgressReport(
-                **progress.model_dump(), uid=t.uid, namespace=t.namespace, name=t.name, attempt=t.attempt,
-                run=self.run, events=list(self.events),
-            )  # fmt: skip
-            body = report.model_dump_json(by_alias=True, exclude_none=True).encode()
-            if self._posting and self._posting.is_alive():
+            body = self._body(progress)
+            busy = self._posting is not None and self._posting.is_alive()
+            if busy or time.monotonic() - self._last_post < MIN_INTERVAL:
                 self._unsent = body  # the next update or flush sends the newest state
                 return
             self._unsent = None
-            self._posting = threading.Thread(target=self._post, args=(t.url, body), daemon=True)
+            self._last_post = time.monotonic()
+            self._posting = threading.Thread(target=self._post, args=(body,), daemon=True)
             self._posting.start()
+
+    def _body(self, progress: TrainingProgress) -> bytes:
+        """The report as JSON, leaving out the oldest events until it fits the operator's limit."""
+        assert self.target is not None
+        t = self.target
+        with self._lock:
+            events = list(self.events)
+        while True:
+            report = ProgressReport(
+                **progress.model_dump(), uid=t.uid, namespace=t.namespace, name=t.name, attempt=t.attempt,
+                run=self.run, events=events,
+            )  # fmt: skip
+            body = report.model_dump_json(by_alias=True, exclude_none=True).encode()
+            if len(body) <= MAX_REPORT_BYTES or not events:
+                return body
+            events = events[1:]
 
     @staticmethod
     def _valid(fields: dict[str, Any]) -> TrainingProgress:
@@ -122,14 +148,28 @@ class ProgressReporter:
             log(f"leaving {sorted(bad)} out of the progress report: {e.errors()[0]['msg']}")
             return TrainingProgress.model_validate({k: v for k, v in fields.items() if k not in bad})
 
-    def _post(self, url: str, body: bytes) -> None:
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    def _post(self, body: bytes) -> None:
+        assert self.target is not None
+        url, headers = self.target.url, {"Content-Type": "application/json"}
+        if self.target.token_file:
+            try:
+                headers["Authorization"] = "Bearer " + Path(self.target.token_file).read_text().strip()
+            except OSError as e:  # not mounted yet, or being rotated: the operator will say 401
+                log(f"cannot read the progress token {self.target.token_file}: {e}")
+        req = urllib.request.Request(url, data=body, headers=headers)
         try:
-            urllib.request.urlopen(req, timeout=5).close()
+            with urllib.request.urlopen(req, timeout=5) as reply:
+                answer = json.loads(reply.read(4096) or b"{}")
         except urllib.error.HTTPError as e:  # refused: say why, once per report
             log(f"progress report refused by {url}: {e.code} {e.read()[:500].decode(errors='replace')}")
-        except OSError as e:  # the operator restarting or unreachable: the next update tries again
+            return
+        except (OSError, ValueError) as e:  # the operator restarting or unreachable: the next update tries again
             log(f"progress report to {url} failed: {e}")
+            return
+        acknowledged = answer.get("acknowledged") if isinstance(answer, dict) else None
+        if isinstance(acknowledged, int):  # those events are in the job's status: stop re-sending them
+            with self._lock:
+                self.events = [e for e in self.events if e.seq > acknowledged]
 
     def flush(self, timeout: float = 5) -> None:
         """Wait for the post in flight, then send the newest report if it was skipped, so the final state
@@ -138,5 +178,5 @@ class ProgressReporter:
             self._posting.join(timeout)
         if self.target and self._unsent is not None:
             body, self._unsent = self._unsent, None
-            self._post(self.target.url, body)
+            self._post(body)
 

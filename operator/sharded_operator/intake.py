@@ -1,0 +1,227 @@
+"""Progress reports, taken: authenticate, validate, rate-limit, and write them into the job's status.
+
+A report is taken only from a live pod of the job's current attempt (the checks: `progress`): its Bearer
+token is verified by a TokenReview (junk is refused before any API call, and verifications are
+rate-limited), its body by the contract's `ProgressReport`, each pod is rate-limited, and the accepted
+report is written into the job's status by whichever replica took it, at most once per
+`progressWriteSeconds` per job so the API server sees a bounded write rate. Nothing that matters is held
+only in memory, and what is held (caches, rate limits, the newest report per job awaiting its write) is
+keyed by verified senders and pruned, so memory is bounded by the live jobs whatever is posted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from sharded_operator.k8s import Kube
+from sharded_operator.models import ShardedTrainingJobStatus
+from sharded_operator.progress import (
+    Refusal,
+    Sender,
+    acknowledged,
+    bearer,
+    check_sender,
+    merge_report,
+    precheck,
+    sender_from_review,
+)
+from sharded_operator.settings import OperatorSettings
+from sharded_operator.web import Metrics
+from sharded_trainer.config import format_validation_error
+from sharded_trainer.contract import MAX_REPORT_BYTES, ProgressReport, iso
+
+logger = logging.getLogger("sharded_operator.intake")
+IDLE_SECONDS = 600  # per-job and per-pod state not touched for this long is dropped
+
+
+class TTLCache:
+    """A bounded map whose entries expire: the oldest goes first when it is full."""
+
+    def __init__(self, size: int, ttl: float, clock: Callable[[], float] = time.monotonic):
+        self.size, self.ttl, self.clock = size, ttl, clock
+        self._items: OrderedDict[str, tuple[float, Any]] = OrderedDict()
+
+    def get(self, key: str) -> Any:
+        entry = self._items.get(key)
+        if entry is None or entry[0] < self.clock():
+            self._items.pop(key, None)
+            return None
+        return entry[1]
+
+    def put(self, key: str, value: Any) -> None:
+        self._items[key] = (self.clock() + self.ttl, value)
+        self._items.move_to_end(key)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Bucket:
+    """A token bucket: `rate` per second, up to `burst` at once."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.at = burst, clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+@dataclass
+class JobDesk:
+    """Per job (by UID): the newest accepted report not yet written, and when the last write was."""
+
+    report: ProgressReport | None = None
+    written_at: float = float("-inf")
+    touched: float = 0.0
+    cursor: tuple[int, str, int] | None = None  # (attempt, run, seq) of the trainer events last written
+    lock: asyncio.Lock | None = None
+
+
+class ProgressDesk:
+    """Takes progress reports: authenticate, validate, rate-limit, and write them into job status."""
+
+    def __init__(self, kube: Kube, settings: OperatorSettings, metrics: Metrics,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):  # fmt: skip
+        self.kube, self.settings, self.metrics, self.clock, self.wall = kube, settings, metrics, clock, wall
+        self.reviews = TTLCache(4096, 60, clock)  # token digest -> Sender or Refusal
+        self.pods = TTLCache(4096, 5, clock)  # pod uid -> the pod as last read
+        self.review_budget = Bucket(settings.token_reviews_per_second, settings.token_reviews_per_second * 2, clock)
+        self.per_pod: dict[str, tuple[float, Bucket]] = {}  # verified pod uid -> (last used, its bucket)
+        self.jobs: dict[str, JobDesk] = {}
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def take(self, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
+        """The answer to one POST: (HTTP status, JSON body). Nothing changes unless it is 200."""
+        try:
+            if len(body) > MAX_REPORT_BYTES:
+                raise Refusal(413, f"a report is at most {MAX_REPORT_BYTES} bytes")
+            sender = await self._sender(authorization)
+            try:
+                report = ProgressReport.model_validate_json(body)
+            except ValidationError as e:
+                raise Refusal(422, format_validation_error(e)) from None
+            self._limit(sender)
+            pod = self.pods.get(sender.pod_uid)
+            if pod is None:
+                pod = await self._run(self.kube.get_pod, sender.namespace, sender.pod_name)
+                if pod is not None:
+                    self.pods.put(sender.pod_uid, pod)
+            check_sender(report, sender, pod)
+            answer = await self._accept(report)
+        except Refusal as r:
+            self.metrics.progress_reports.labels(str(r.status)).inc()
+            return r.status, {"error": r.reason}
+        self.metrics.progress_reports.labels("200").inc()
+        return 200, answer
+
+    async def _sender(self, authorization: str | None) -> Sender:
+        token = bearer(authorization)
+        precheck(token, self.settings.progress_audience, self.wall())
+        key = hashlib.sha256(token.encode()).hexdigest()
+        known = self.reviews.get(key)
+        if known is None:
+            if not self.review_budget.take():
+                raise Refusal(429, "too many tokens to verify; try again")
+            review = await self._run(self.kube.token_review, token, self.settings.progress_audience)
+            try:
+                known = sender_from_review(review, self.settings.progress_audience)
+            except Refusal as r:
+                known = r
+            self.reviews.put(key, known)
+        if isinstance(known, Refusal):
+            raise known
+        return known
+
+    def _limit(self, sender: Sender) -> None:
+        now, rate = self.clock(), self.settings.reports_per_second
+        _, bucket = self.per_pod.get(sender.pod_uid) or (now, Bucket(rate, rate * 5, self.clock))
+        self.per_pod[sender.pod_uid] = (now, bucket)
+        if not bucket.take():
+            raise Refusal(429, "reports come too fast: at most progressReportsPerSecond per pod")
+
+    async def _accept(self, report: ProgressReport) -> dict[str, Any]:
+        desk = self.jobs.setdefault(report.uid, JobDesk())
+        desk.report, desk.touched = report, self.clock()
+        written = False
+        if self.clock() - desk.written_at >= self.settings.progress_write_seconds:
+            written = await self.write(report.uid)
+        cursor = desk.cursor
+        ack = cursor[2] if cursor and cursor[:2] == (report.attempt, report.run) else 0
+        return {"acknowledged": ack, "written": written}
+
+    async def write(self, uid: str) -> bool:
+        """Merge the job's newest accepted report into its status; its events become Kubernetes events."""
+        desk = self.jobs.get(uid)
+        if desk is None:
+            return False
+        desk.lock = desk.lock or asyncio.Lock()
+        async with desk.lock:
+            report = desk.report
+            if report is None:
+                return False
+            for _ in range(5):  # the job changes under us (reconcile writes its status): merge again
+                job = await self._run(self.kube.get_job, report.namespace, report.name)
+                if job is None or job["metadata"]["uid"] != report.uid:
+                    desk.report = None
+                    raise Refusal(403, f"job {report.namespace}/{report.name} with UID {report.uid} is gone")
+                status = ShardedTrainingJobStatus.model_validate(job.get("status") or {})
+                try:
+                    fields, events = merge_report(status, report, iso())
+                except Refusal:
+                    desk.report = None
+                    raise
+                rv = job["metadata"]["resourceVersion"]
+                if await self._run(self.kube.patch_report, report.namespace, report.name, fields, rv):
+                    break
+            else:
+                return False
+            desk.report, desk.written_at = None, self.clock()
+            written = ShardedTrainingJobStatus.model_validate({**(job.get("status") or {}), **fields})
+            desk.cursor = (report.attempt, report.run, acknowledged(written, report))
+            for type_, reason, message in events:
+                await self._run(self.kube.event, job, type_, reason, message)
+        return True
+
+    async def flush(self) -> None:
+        """Write reports whose interval has passed, and drop state of jobs and pods gone quiet."""
+        now = self.clock()
+        for uid, desk in list(self.jobs.items()):
+            if desk.report is not None and now - desk.written_at >= self.settings.progress_write_seconds:
+                try:
+                    await self.write(uid)
+                except Refusal as r:
+                    logger.info("report for job %s dropped: %s", uid, r.reason)
+                except Exception:  # the API server away: the next flush tries again
+                    logger.exception("writing a progress report for job %s failed", uid)
+            elif desk.report is None and now - desk.touched > IDLE_SECONDS:
+                del self.jobs[uid]
+        for pod_uid, (used, _) in list(self.per_pod.items()):
+            if now - used > IDLE_SECONDS:
+                del self.per_pod[pod_uid]
+
+    async def run_flusher(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.flush()
+
+

@@ -1,0 +1,170 @@
+"""Progress reports against the real API server: bound ServiceAccount tokens minted by TokenRequest (the
+test plays the kubelet for KWOK's pods), verified by the operator with TokenReview; every forgery refused
+and nothing changed; rate limits; memory that junk cannot grow."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import wait_for
+from jobs import make_job
+from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_operator.settings import OperatorSettings
+from sharded_trainer.contract import MAX_REPORT_BYTES
+
+pytestmark = pytest.mark.integration
+AUDIENCE = OperatorSettings().progress_audience
+CKPT = {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"}
+
+
+def mint(core, namespace: str, pod, audience: str = AUDIENCE) -> str:
+    """A token bound to `pod`, for `audience`, as the kubelet mints it into the pod's projected volume."""
+    body = {"spec": {"audiences": [audience], "expirationSeconds": 600,
+                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod.metadata.name,
+                                        "uid": pod.metadata.uid}}}  # fmt: skip
+    return core.create_namespaced_service_account_token("default", namespace, body).status.token
+
+
+def post(operator, body: bytes | dict, token: str | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(operator.progress_url, data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Job:
+    def __init__(self, core, custom, namespace: str, name: str = "j"):
+        self.core, self.custom, self.ns, self.name = core, custom, namespace, name
+        body = make_job(name).nodes(2).gpus(4).spec("failurePolicy.backoffLimit", 3).obj()
+        body["metadata"] = {"name": name}
+        self.uid = custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)["metadata"]["uid"]
+
+    def status(self) -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name).get("status") or {}
+
+    def running_pods(self, attempt: int = 1) -> list:
+        def ready():
+            pods = [p for p in self.core.list_namespaced_pod(self.ns).items
+                    if p.metadata.name.startswith(f"{self.name}-") and p.status.phase == "Running"
+                    and p.metadata.labels.get("training.sharded.dev/attempt") == str(attempt)
+                    and not p.metadata.deletion_timestamp]  # fmt: skip
+            return len(pods) == 2 and self.status().get("attempt") == attempt and pods
+
+        return wait_for(ready, timeout=60, what=f"attempt {attempt} running")
+
+    def report(self, **fields) -> dict:
+        base = {"uid": self.uid, "namespace": self.ns, "name": self.name, "attempt": 1, "run": "r1", "step": 40,
+                "totalSteps": 100, "loss": 2.25, "updatedAt": "2026-01-01T00:00:00Z"}  # fmt: skip
+        return {**base, **fields}
+
+
+def events_named(core, namespace: str, reason: str) -> list:
+    return [e for e in core.list_namespaced_event(namespace).items if e.reason == reason]
+
+
+def test_a_report_from_a_pod_of_the_current_attempt_reaches_status_and_its_events_once(core, custom, namespace,
+                                                                                        operator):  # fmt: skip
+    job = Job(core, custom, namespace)
+    pod = job.running_pods()[1]  # rank 0 may run in any pod of the attempt
+    token = mint(core, namespace, pod)
+    event = {"seq": 1, "type": "CheckpointCommitted", "message": "checkpoint at step 30 committed", "step": 30,
+             "checkpoint": CKPT, "time": "2026-01-01T00:00:00Z"}  # fmt: skip
+    code, answer = post(operator, job.report(lastCheckpoint=CKPT, events=[event]), token)
+    assert code == 200, answer
+    status = wait_for(lambda: (s := job.status()).get("progress", {}).get("step") == 40 and s, what="progress")
+    assert status["progress"]["loss"] == 2.25 and status["lastCheckpoint"] == CKPT
+    assert status["lastTrainerEvent"] == {"attempt": 1, "run": "r1", "seq": 1}
+    wait_for(lambda: events_named(core, namespace, "CheckpointCommitted"), what="the CheckpointCommitted event")
+    # Sent again with the next report (not yet acknowledged to the trainer): still one event; now acknowledged.
+    time.sleep(1.1)  # past progressWriteSeconds (1 s here)
+    code, answer = post(operator, job.report(step=41, lastCheckpoint=CKPT, events=[event]), token)
+    assert code == 200 and answer["acknowledged"] == 1, answer
+    wait_for(lambda: job.status().get("progress", {}).get("step") == 41, what="the next report")
+    assert len(events_named(core, namespace, "CheckpointCommitted")) == 1
+
+
+def test_every_forged_or_malformed_report_is_refused_and_changes_nothing(core, custom, namespace, operator):
+    job = Job(core, custom, namespace)
+    other = Job(core, custom, namespace, "k")
+    pod, other_pod = job.running_pods()[0], other.running_pods()[0]
+    token = mint(core, namespace, pod)
+    assert post(operator, job.report(step=10), token)[0] == 200
+    wait_for(lambda: job.status().get("progress", {}).get("step") == 10, what="the first report")
+    time.sleep(1.1)
+
+    big = job.report(events=[{"seq": i, "type": "Resumed", "message": "m" * 1000, "time": "2026-01-01T00:00:00Z"}
+                             for i in range(1, 20)])  # fmt: skip
+    cases = {
+        "no token": (job.report(), None, 401),
+        "junk token": (job.report(), "junk.junk.junk", 401),
+        "an API token, not for the operator": (job.report(), mint(core, namespace, pod, "https://kubernetes.default.svc"),
+                                               401),
+        "a pod of another job": (job.report(), mint(core, namespace, other_pod), 403),
+        "another job's report with this pod's token": (other.report(), token, 403),
+        "another namespace": (job.report(namespace="kube-system"), token, 403),
+        "an attempt the pod is not of": (job.report(attempt=2), token, 403),
+        "loss not a number": (job.report(loss="x"), token, 422),
+        "time not a time": (job.report(updatedAt=5), token, 422),
+        "step out of range": (job.report(step=-1), token, 422),
+        "a forged checkpoint field": (job.report(lastCheckpoint={**CKPT, "forged": 1}), token, 422),
+        "oversized": (json.dumps(big).encode() + b" " * MAX_REPORT_BYTES, token, 413),
+    }  # fmt: skip
+    for what, (body, tok, expected) in cases.items():
+        code, answer = post(operator, body, tok)
+        assert code == expected, (what, code, answer)
+        assert "error" in answer, what
+    status = job.status()
+    assert status["progress"]["step"] == 10 and status["phase"] == "Running"
+
+    # The job restarts: the old attempt's pod is gone, and its token, replayed, says nothing any more (the API
+    # server voids a token whose bound pod is gone; until then the operator's own checks refuse it).
+    core.patch_namespaced_pod(pod.metadata.name, namespace,
+                              {"metadata": {"annotations": {"kwok.sharded.dev/exit-code": "1"}}})  # fmt: skip
+    job.running_pods(attempt=2)
+    code, answer = post(operator, job.report(step=99), token)
+    assert code in (401, 403) and any(w in answer["error"] for w in ("token", "gone", "attempt")), answer
+    assert post(operator, job.report(step=99, attempt=2), token)[0] in (401, 403)
+    assert job.status()["progress"]["step"] == 10
+
+
+def test_reports_beyond_a_pods_rate_are_refused(core, custom, namespace, operator):
+    job = Job(core, custom, namespace)
+    token = mint(core, namespace, job.running_pods()[0])
+    codes = [post(operator, job.report(step=i), token)[0] for i in range(1, 31)]
+    assert codes[0] == 200 and 429 in codes, codes
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_ten_thousand_junk_posts_leave_the_operators_memory_where_it_was(operator):
+    uid = "0b5e3c1e-6f7a-4d1e-9a51-3c2b9d8f7e10"
+
+    def junk(i: int) -> int:
+        body = {"uid": f"{uid[:-6]}{i:06d}", "namespace": f"ns{i}", "name": f"job-{i}", "attempt": 1,
+                "run": "r", "step": i, "updatedAt": "2026-01-01T00:00:00Z", "events": []}  # fmt: skip
+        token = None if i % 3 == 0 else (f"{i}.eyJ4Ijo{i}.sig" if i % 3 == 1 else "a" * 4000)
+        return post(operator, body, token)[0]
+
+    for i in range(200):  # warm up: the first requests allocate what every later one reuses
+        junk(i)
+    before = rss_kib(operator.proc.pid)
+    with ThreadPoolExecutor(8) as pool:
+        codes = set(pool.map(junk, range(10_000)))
+    after = rss_kib(operator.proc.pid)
+    assert codes == {401}
+    assert after - before < 20 * 1024, f"RSS grew by {(after - before) / 1024:.1f} MiB"
+    assert os.kill(operator.proc.pid, 0) is None  # and it is still there

@@ -1,0 +1,248 @@
+"""Who may report progress and what a report changes, as tables; the bounded caches and rate limits behind
+them; liveness; and the Lease arithmetic of leader election. The same checks against the real API server
+(TokenReview, bound tokens, two replicas) are in tests/integration/test_progress_security.py."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+
+import pytest
+
+from jobs import make_job
+from sharded_operator.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, claim, micro_time
+from sharded_operator.intake import Bucket, TTLCache
+from sharded_operator.models import LABEL_ATTEMPT, LABEL_JOB
+from sharded_operator.progress import (
+    POD_NAME_EXTRA,
+    POD_UID_EXTRA,
+    Refusal,
+    Sender,
+    bearer,
+    check_sender,
+    merge_report,
+    precheck,
+    sender_from_review,
+)
+from sharded_operator.web import Health
+from sharded_trainer.contract import ProgressReport, TrainerEventType, iso
+
+NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+AUD = "training.sharded.dev/progress"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def report(**fields) -> ProgressReport:
+    """A report of rank 0 of job `j`'s attempt 1, as the trainer posts it."""
+    base = {"uid": "uid-j", "namespace": "default", "name": "j", "attempt": 1, "run": "r1", "step": 1}
+    return ProgressReport.model_validate({**base, "updatedAt": iso(NOW), **fields})
+
+
+def event(seq: int, type_: TrainerEventType = TrainerEventType.CHECKPOINT_COMMITTED, **fields) -> dict:
+    return {"seq": seq, "type": type_.value, "message": f"event {seq}", "time": iso(NOW), **fields}
+
+
+def status(**fields):
+    return make_job().status(**{"attempt": 1, "phase": "Running", **fields}).model().status
+
+
+def jwt(claims: dict) -> str:
+    def part(d):
+        return base64.urlsafe_b64encode(json.dumps(d).encode()).decode().rstrip("=")
+
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.c2lnbmF0dXJl"
+
+
+BOUND = {"aud": [AUD], "exp": 2_000_000_000, "kubernetes.io": {"namespace": "default", "pod": {"name": "j-0"}}}
+
+
+# --- who may report -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [None, "", "Basic abc", "Bearer ", "Bearer " + "x" * 9000],
+    ids=["none", "empty", "basic", "blank", "huge"],
+)
+def test_a_report_without_a_bearer_token_is_unauthorized(header):
+    with pytest.raises(Refusal) as r:
+        bearer(header)
+    assert r.value.status == 401
+
+
+@pytest.mark.parametrize(
+    "token,why",
+    [
+        ("junk", "not a ServiceAccount token"),
+        ("a.!!!.b", "not a ServiceAccount token"),
+        (jwt([1, 2]), "not a ServiceAccount token"),
+        (jwt({**BOUND, "aud": ["https://kubernetes.default.svc"]}), "audience"),
+        (jwt({**BOUND, "exp": 1_000}), "expired"),
+        (jwt({k: v for k, v in BOUND.items() if k != "kubernetes.io"}), "not bound to a pod"),
+    ],
+    ids=["junk", "bad-base64", "not-an-object", "api-audience", "expired", "unbound"],
+)
+def test_junk_is_refused_before_any_api_call(token, why):
+    with pytest.raises(Refusal) as r:
+        precheck(token, AUD, now=1_800_000_000)
+    assert r.value.status == 401 and why in r.value.reason
+    precheck(jwt(BOUND), AUD, now=1_800_000_000)  # the shape of a real one passes on to the TokenReview
+
+
+def review(**user) -> dict:
+    extra = {POD_NAME_EXTRA: ["j-0"], POD_UID_EXTRA: ["pod-uid"]}
+    return {"authenticated": True, "audiences": [AUD],
+            "user": {"username": "system:serviceaccount:default:default", "extra": extra, **user}}  # fmt: skip
+
+
+def test_the_token_review_names_the_pod_that_sends():
+    assert sender_from_review(review(), AUD) == Sender("default", "default", "j-0", "pod-uid")
+    for bad in (
+        {"authenticated": False, "error": "token has been invalidated"},
+        {**review(), "audiences": ["other"]},
+        review(username="alice"),
+        review(extra={}),
+    ):
+        with pytest.raises(Refusal) as r:
+            sender_from_review(bad, AUD)
+        assert r.value.status == 401
+
+
+def pod(attempt: int = 1, job: str = "j", owner: str = "uid-j", uid: str = "pod-uid", deleting: bool = False) -> dict:
+    meta = {"name": "j-0", "uid": uid, "labels": {LABEL_JOB: job, LABEL_ATTEMPT: str(attempt)},
+            "ownerReferences": [{"uid": owner, "controller": True}]}  # fmt: skip
+    if deleting:
+        meta["deletionTimestamp"] = iso(NOW)
+    return {"metadata": meta}
+
+
+@pytest.mark.parametrize(
+    "sender,the_pod,why",
+    [
+        (Sender("other", "default", "j-0", "pod-uid"), pod(), "namespace"),
+        (Sender("default", "default", "j-0", "pod-uid"), None, "gone"),
+        (Sender("default", "default", "j-0", "pod-uid"), pod(deleting=True), "gone"),
+        (Sender("default", "default", "j-0", "pod-uid"), pod(uid="another-pod"), "gone"),
+        (Sender("default", "default", "j-0", "pod-uid"), pod(job="k"), "does not belong"),
+        (Sender("default", "default", "j-0", "pod-uid"), pod(owner="uid-of-an-older-j"), "does not belong"),
+        (Sender("default", "default", "j-0", "pod-uid"), pod(attempt=2), "attempt 2"),
+    ],
+    ids=["other-namespace", "pod-gone", "pod-deleting", "pod-replaced", "other-job", "older-job", "other-attempt"],
+)
+def test_only_a_live_pod_of_the_reported_job_and_attempt_may_report(sender, the_pod, why):
+    with pytest.raises(Refusal) as r:
+        check_sender(report(), sender, the_pod)
+    assert r.value.status == 403 and why in r.value.reason
+    check_sender(report(), Sender("default", "default", "j-0", "pod-uid"), pod())
+
+
+# --- what a report changes ----------------------------------------------------------------------------
+
+
+def test_a_report_fills_progress_and_last_checkpoint():
+    ckpt = {"step": 30, "path": "/checkpoints/step-00000030", "time": iso(NOW)}
+    fields, _ = merge_report(status(), report(step=40, totalSteps=100, loss=2.5, lastCheckpoint=ckpt), iso(NOW))
+    assert fields["progress"]["step"] == 40 and fields["progress"]["loss"] == 2.5
+    assert fields["progress"]["observedAt"] == iso(NOW) and fields["lastCheckpoint"] == ckpt
+    with pytest.raises(Refusal) as r:
+        merge_report(status(attempt=2), report(step=41), iso(NOW))
+    assert r.value.status == 403 and "attempt 2" in r.value.reason
+
+
+def test_trainer_events_become_kubernetes_events_once():
+    rep = report(events=[event(1), event(2, TrainerEventType.CHECKPOINT_SET_ASIDE)])
+    fields, events = merge_report(status(), rep, iso(NOW))
+    assert events == [("Normal", "CheckpointCommitted", "event 1"), ("Warning", "CheckpointSetAside", "event 2")]
+    assert fields["lastTrainerEvent"] == {"attempt": 1, "run": "r1", "seq": 2}
+    # The same report again (the trainer re-sends events until acknowledged), then one more: only that one.
+    written = status(lastTrainerEvent=fields["lastTrainerEvent"])
+    assert merge_report(written, rep, iso(NOW))[1] == []
+    more = report(events=[event(1), event(2), event(3, TrainerEventType.RESUMED)])
+    assert [e[1] for e in merge_report(written, more, iso(NOW))[1]] == ["ResumedFromCheckpoint"]
+    # A restarted trainer process numbers its events from 1 again.
+    restarted = report(run="r2", events=[event(1, TrainerEventType.RESUMED)])
+    assert [e[1] for e in merge_report(written, restarted, iso(NOW))[1]] == ["ResumedFromCheckpoint"]
+
+
+def test_the_checkpoint_resumed_from_shows_in_status():
+    checkpoint = {"step": 20, "path": "/checkpoints/j/step-00000020"}
+    resumed = event(1, TrainerEventType.RESUMED, step=20, checkpoint=checkpoint)
+    fields, _ = merge_report(status(), report(events=[resumed]), iso(NOW))
+    assert fields["resumedFrom"] == checkpoint
+
+
+def test_the_same_report_seen_again_keeps_its_first_sighting():
+    first, _ = merge_report(status(), report(step=6), iso(NOW))
+    later = iso(NOW + dt.timedelta(seconds=30))
+    again, _ = merge_report(status(progress=first["progress"]), report(step=6), later)
+    assert again["progress"]["observedAt"] == iso(NOW)  # no new report: the hang timer runs on
+    newer, _ = merge_report(status(progress=first["progress"]), report(step=7), later)
+    assert newer["progress"]["observedAt"] == later
+
+
+# --- bounded state -------------------------------------------------------------------------------
+
+
+def test_the_cache_forgets_expired_entries_and_holds_at_most_its_size():
+    clock = Clock()
+    cache = TTLCache(size=3, ttl=10, clock=clock)
+    for i in range(5):
+        cache.put(str(i), i)
+    assert len(cache) == 3 and cache.get("0") is None and cache.get("4") == 4
+    clock.t += 11
+    assert cache.get("4") is None
+
+
+def test_the_bucket_allows_a_burst_then_the_rate():
+    clock = Clock()
+    bucket = Bucket(rate=2, burst=4, clock=clock)
+    assert [bucket.take() for _ in range(5)] == [True] * 4 + [False]
+    clock.t += 1
+    assert [bucket.take() for _ in range(3)] == [True, True, False]
+
+
+def test_health_fails_once_a_loop_stops_beating():
+    clock = Clock()
+    health = Health(limit=30, clock=clock)
+    health.beat("resync")
+    health.beat("election")
+    clock.t += 20
+    health.beat("election")
+    assert health.stale() == []
+    clock.t += 15
+    assert health.stale() == ["resync"]
+
+
+# --- leader election ----------------------------------------------------------------------------
+
+
+def test_a_lease_is_taken_when_free_or_expired_and_kept_by_its_holder():
+    held = claim(None, "a", NOW)
+    assert held["holderIdentity"] == "a" and held["leaseTransitions"] == 1
+    later = NOW + dt.timedelta(seconds=5)
+    assert claim(held, "b", later) is None  # a's lease is still valid
+    renewed = claim(held, "a", later)
+    assert renewed["acquireTime"] == held["acquireTime"] and renewed["renewTime"] == micro_time(later)
+    expired = NOW + dt.timedelta(seconds=LEASE_SECONDS + 1)
+    taken = claim(held, "b", expired)
+    assert taken["holderIdentity"] == "b" and taken["leaseTransitions"] == 2
+
+
+def test_a_holder_that_cannot_renew_stops_acting_before_another_may_take_over():
+    me = Leadership("a")
+    assert not me.leading(NOW)
+    me.record(True, NOW)
+    assert me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE - 1))
+    me.record(False, NOW + dt.timedelta(seconds=RENEW_DEADLINE - 1))  # a failed renewal, still in time
+    assert me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE - 1))
+    assert not me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE))
+    assert RENEW_DEADLINE < LEASE_SECONDS  # stops before the lease can pass to another replica
+    assert Leadership("a", enabled=False).leading(NOW)  # a single replica always acts

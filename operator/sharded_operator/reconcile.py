@@ -17,6 +17,7 @@ from sharded_operator.election import Leadership
 from sharded_operator.failure import missing_pods
 from sharded_operator.k8s import Kube, MissingAPI, Refused
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
+from sharded_operator.overrides import forbidden
 from sharded_operator.progress import REPORT_FIELDS
 from sharded_operator.settings import OperatorSettings
 from sharded_operator.status import decide, record_refusal, set_phase
@@ -77,6 +78,8 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
             job = ShardedTrainingJob.model_validate(body)
         except ValidationError as e:
             return _invalid(ctx, body, format_validation_error(e, prefix="spec."), logger)
+        if refused := forbidden(job.spec, ctx.settings.forbid_pod_overrides):
+            return _invalid(ctx, body, refused, logger)
         uid = body["metadata"]["uid"]
         labelled = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
         pods = [p for p in labelled if p.owner_uid == uid]

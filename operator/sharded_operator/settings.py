@@ -60,13 +60,26 @@ class OperatorSettings(BaseModel):
     )
     trainer_config_path: str = Field(DEFAULT_CONFIG_PATH, description="Where pods read the trainer config.")
     cpu_procs_per_node: int = Field(2, ge=1, description="procsPerNode 'auto' on a CPU-only job.")
+    forbid_pod_overrides: list[str] = Field(
+        default_factory=list,
+        description="Pod overrides refused for every job (comma-separated): hostPath, hostNetwork, serviceAccountName, "
+        "secretEnv, labels. For clusters without admission policies; the chart's policy checks the submitter instead.",
+    )
     pod_uid: int = Field(1000, ge=1, le=2**31 - 1, description="UID and GID training pods run as (the image's user).")
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 
-    @field_validator("namespaces", mode="before")
+    @field_validator("namespaces", "forbid_pod_overrides", mode="before")
     @classmethod
     def _split(cls, value):
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("forbid_pod_overrides")
+    @classmethod
+    def _known(cls, value):
+        allowed = {"hostPath", "hostNetwork", "serviceAccountName", "secretEnv", "labels"}
+        if unknown := set(value) - allowed:
+            raise ValueError(f"unknown pod overrides {sorted(unknown)}; choose from {sorted(allowed)}")
+        return value
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

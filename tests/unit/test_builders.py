@@ -209,3 +209,25 @@ def test_pods_prove_themselves_to_the_operator_with_a_projected_token_for_its_au
     # Without a progress URL there is nothing to prove: no token at all.
     bare = builders.build_pod(make_job().model(), 0, 1, OperatorSettings())
     assert not [v for v in bare["spec"]["volumes"] if "projected" in v]
+
+
+@pytest.mark.parametrize(
+    "name,path,value,field",
+    [
+        ("hostPath", "pod.volumes", [{"name": "h", "hostPath": {"path": "/"}}], "spec.pod.volumes"),
+        ("hostNetwork", "network.hostNetwork", True, "spec.network.hostNetwork"),
+        ("serviceAccountName", "pod.serviceAccountName", "admin", "spec.pod.serviceAccountName"),
+        ("secretEnv", "pod.env", [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+         "spec.pod.env"),
+        ("labels", "pod.labels", {"app": "web"}, "spec.pod.labels"),
+    ],
+)  # fmt: skip
+def test_the_operator_can_refuse_each_risky_pod_override_for_everyone(name, path, value, field):
+    from sharded_operator.overrides import forbidden
+
+    spec = make_job().spec(path, value).model().spec
+    assert forbidden(spec, []) is None and forbidden(make_job().model().spec, [name]) is None
+    assert field in forbidden(spec, [name])
+    if name == "hostNetwork":  # the InfiniBand profile may need it
+        ib = make_job().gpus(8).spec(path, value).spec("network.infiniband", {"enabled": True}).model().spec
+        assert forbidden(ib, [name]) is None

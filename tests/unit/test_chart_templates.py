@@ -54,7 +54,7 @@ def test_defaults_are_cluster_wide_and_secure(helm):
     docs = render(helm)
     cluster_rules = find(docs, "ClusterRole")[0]["rules"]
     assert any("pods" in r["resources"] for r in cluster_rules)
-    assert not find(docs, "Role")
+    assert [r["metadata"]["name"] for r in find(docs, "Role")] == ["op-sharded-training-operator-lease"]
     pod = find(docs, "Deployment")[0]["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     c = pod["containers"][0]
@@ -63,15 +63,17 @@ def test_defaults_are_cluster_wide_and_secure(helm):
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     env = env_of(docs)
     assert env["SHARDED_OPERATOR_NAMESPACES"] == ""
-    assert env["SHARDED_OPERATOR_PROGRESS_URL"] == "http://op-sharded-training-operator.ops.svc:8080/progress"
+    assert env["SHARDED_OPERATOR_PROGRESS_URL"] == "http://op-sharded-training-operator.ops.svc:8081/progress"
+    assert {p["name"]: p["port"] for p in find(docs, "Service")[0]["spec"]["ports"]} == {"http": 8080, "progress": 8081}
     assert not find(docs, "ServiceMonitor")
 
 
 def test_watch_namespaces_get_roles_and_the_cluster_role_shrinks(helm):
     docs = render(helm, "watchNamespaces={team-a,team-b}")
-    roles = find(docs, "Role")
+    roles = [r for r in find(docs, "Role") if not r["metadata"]["name"].endswith("-lease")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert sorted(b["metadata"]["namespace"] for b in find(docs, "RoleBinding")) == ["team-a", "team-b"]
+    bindings = [b for b in find(docs, "RoleBinding") if not b["metadata"]["name"].endswith("-lease")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     cluster_resources = {res for r in find(docs, "ClusterRole")[0]["rules"] for res in r["resources"]}
     assert "pods" not in cluster_resources and "nodes" in cluster_resources
     assert env_of(docs)["SHARDED_OPERATOR_NAMESPACES"] == "team-a,team-b"
@@ -85,20 +87,59 @@ def test_no_rule_grants_secrets_or_wildcards(helm):
                 assert "*" not in rule["verbs"] and "*" not in rule["apiGroups"]
 
 
-def test_service_monitor_and_peering(helm):
+def test_service_monitor_and_replicas_electing_through_a_lease(helm):
     docs = render(helm, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom")
     sm = find(docs, "ServiceMonitor")[0]
     assert sm["metadata"]["labels"]["release"] == "prom" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
-    docs = render(helm, "replicaCount=2", "peering.enabled=true")
-    assert find(docs, "ClusterKopfPeering")
-    assert env_of(docs)["SHARDED_OPERATOR_PEERING"] == "op-sharded-training-operator"
+    docs = render(helm, "replicaCount=2")
+    env = env_of(docs)
+    assert env["SHARDED_OPERATOR_LEASE_NAME"] == "op-sharded-training-operator"
+    assert env["SHARDED_OPERATOR_LEASE_NAMESPACE"] == "ops"
+    container = find(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    identity = next(e for e in container["env"] if e["name"] == "SHARDED_OPERATOR_IDENTITY")
+    assert identity["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # distinct per replica
     assert find(docs, "Deployment")[0]["spec"]["replicas"] == 2
+    [lease] = [r for r in find(docs, "Role", "ops") if r["metadata"]["name"].endswith("-lease")]
+    assert lease["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                               "verbs": ["get", "create", "update"]}]  # fmt: skip
+
+
+def test_the_network_policy_admits_progress_only_from_training_pods_and_metrics_from_monitoring(helm):
+    docs = render(helm)
+    [policy] = find(docs, "NetworkPolicy")
+    selector = find(docs, "Deployment")[0]["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector
+    progress, metrics = policy["spec"]["ingress"]
+    assert progress["ports"] == [{"protocol": "TCP", "port": 8081}]
+    assert progress["from"] == [{"namespaceSelector": {}, "podSelector": {"matchExpressions": [
+        {"key": "training.sharded.dev/job-name", "operator": "Exists"}]}}]  # fmt: skip
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    other = render(helm, "networkPolicy.metricsFrom.matchLabels.team=obs", "progress.port=9000")
+    [policy] = find(other, "NetworkPolicy")
+    assert policy["spec"]["ingress"][0]["ports"][0]["port"] == 9000
+    assert policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"]["team"] == "obs"
+    assert not find(render(helm, "networkPolicy.enabled=false"), "NetworkPolicy")
+
+
+def test_the_admission_policy_checks_the_submitter_for_each_risky_field(helm):
+    from sharded_operator.overrides import RISKY
+
+    [policy] = find(render(helm), "ValidatingAdmissionPolicy")
+    [binding] = find(render(helm), "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    messages = [v["message"] for v in policy["spec"]["validations"]]
+    assert sorted(m.split(":")[0] for m in messages) == sorted(field for field, _ in RISKY.values())
+    assert all(v["expression"].startswith("variables.canCreatePods || ") for v in policy["spec"]["validations"])
+    env = env_of(render(helm, "forbidPodOverrides={hostPath,labels}"))
+    assert env["SHARDED_OPERATOR_FORBID_POD_OVERRIDES"] == "hostPath,labels"
 
 
 @pytest.mark.parametrize(
     "bad,message",
     [
-        ("replicaCount=2", "replicaCount > 1 needs peering.enabled=true"),
+        ("forbidPodOverrides={hostIPC}", "forbidPodOverrides"),
         ("metrics.port=80", "/metrics/port"),
         ("operator.logFormat=xml", "/operator/logFormat"),
         ("watchNamespace=a", "watchNamespace"),  # a typo is an error, not silently ignored

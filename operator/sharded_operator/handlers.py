@@ -119,6 +119,8 @@ def _digest(body: kopf.Body) -> str:
 def job_event(type: str, body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo, logger,
               **_: Any) -> None:  # fmt: skip
     ctx: Context = memo.ctx
+    if ctx.settings.ignores(namespace):
+        return
     if type == "DELETED":
         ctx.forget(uid, namespace, name)
         ctx.seen.pop(uid, None)
@@ -136,6 +138,8 @@ def pod_event(
     type: str, body: kopf.Body, labels: dict[str, str], namespace: str, memo: kopf.Memo, logger, **_: Any
 ) -> None:
     ctx: Context = memo.ctx
+    if ctx.settings.ignores(namespace):
+        return
     if type == "DELETED":  # its last state says why it went; the next list will not have it
         ctx.pod_gone(namespace, labels[LABEL_JOB], dict(body))
     if ctx.leadership.leading(_now()):

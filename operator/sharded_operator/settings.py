@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import socket
 from collections.abc import Mapping
@@ -20,6 +21,11 @@ class OperatorSettings(BaseModel):
 
     namespaces: list[str] = Field(
         default_factory=list, description="Namespaces to watch (comma-separated); empty watches the whole cluster."
+    )
+    ignore_namespaces: list[str] = Field(
+        default_factory=lambda: ["kube-system"],
+        description="Namespaces (comma-separated, globs allowed) whose jobs the operator leaves alone, even when it "
+        "watches the whole cluster: by default kube-system, where no training pod belongs.",
     )
     http_host: str = Field("0.0.0.0", description="Address of the HTTP servers (/metrics, /healthz; /progress).")
     http_port: int = Field(8080, ge=1, le=65535, description="Port of /metrics and /healthz.")
@@ -68,7 +74,7 @@ class OperatorSettings(BaseModel):
     pod_uid: int = Field(1000, ge=1, le=2**31 - 1, description="UID and GID training pods run as (the image's user).")
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 
-    @field_validator("namespaces", "forbid_pod_overrides", mode="before")
+    @field_validator("namespaces", "forbid_pod_overrides", "ignore_namespaces", mode="before")
     @classmethod
     def _split(cls, value):
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
@@ -80,6 +86,9 @@ class OperatorSettings(BaseModel):
         if unknown := set(value) - allowed:
             raise ValueError(f"unknown pod overrides {sorted(unknown)}; choose from {sorted(allowed)}")
         return value
+
+    def ignores(self, namespace: str) -> bool:
+        return any(fnmatch.fnmatchcase(namespace, pattern) for pattern in self.ignore_namespaces)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

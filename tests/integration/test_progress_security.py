@@ -7,40 +7,18 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import wait_for
 from jobs import make_job
+from reports import mint, post
 from sharded_operator.models import GROUP, PLURAL, VERSION
-from sharded_operator.settings import OperatorSettings
 from sharded_trainer.contract import MAX_REPORT_BYTES
 
 pytestmark = pytest.mark.integration
-AUDIENCE = OperatorSettings().progress_audience
 CKPT = {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"}
-
-
-def mint(core, namespace: str, pod, audience: str = AUDIENCE) -> str:
-    """A token bound to `pod`, for `audience`, as the kubelet mints it into the pod's projected volume."""
-    body = {"spec": {"audiences": [audience], "expirationSeconds": 600,
-                     "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod.metadata.name,
-                                        "uid": pod.metadata.uid}}}  # fmt: skip
-    return core.create_namespaced_service_account_token("default", namespace, body).status.token
-
-
-def post(operator, body: bytes | dict, token: str | None = None) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    req = urllib.request.Request(operator.progress_url, data=data, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 class Job:

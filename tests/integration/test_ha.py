@@ -1,0 +1,104 @@
+"""Two operator replicas on the real API server: one acts (it holds the Lease), the other stands by and
+still takes progress reports; SIGKILL the active one in the middle of its work and the standby takes over,
+with no duplicate pods, events or restarts. (The session's own operator leaves `ha-*` namespaces alone.)"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import wait_for
+from jobs import make_job
+from localstack import OperatorProcess
+from reports import mint, post
+from sharded_operator.election import LEASE_SECONDS
+from sharded_operator.models import GROUP, LABEL_JOB, PLURAL, VERSION
+
+pytestmark = pytest.mark.integration
+LEASE = "sharded-operator"
+
+
+@pytest.fixture
+def ha_namespace(core):
+    name = f"ha-{int(time.time()) % 100000}"
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: core.read_namespaced_service_account("default", name), what="default SA")
+    yield name
+    core.delete_namespace(name)
+
+
+@pytest.fixture
+def replicas(cluster, crd_installed, ha_namespace, tmp_path):
+    settings = {
+        "NAMESPACES": ha_namespace, "LEASE_NAME": LEASE, "LEASE_NAMESPACE": ha_namespace,
+        "PROGRESS_WRITE_SECONDS": "1", "RESTART_GRACE_SECONDS": "3", "IGNORE_NAMESPACES": "kube-system",
+    }  # fmt: skip
+    ops = [
+        OperatorProcess(cluster.kubeconfig, tmp_path / f"op-{i}.log", IDENTITY=f"replica-{i}", **settings)
+        for i in range(2)
+    ]
+    for op in ops:
+        op.start()
+    yield ops
+    for op in ops:
+        op.stop()
+
+
+def holder(coordination, namespace: str) -> str | None:
+    try:
+        return coordination.read_namespaced_lease(LEASE, namespace).spec.holder_identity
+    except Exception:
+        return None
+
+
+def create(custom, namespace: str, name: str, nodes: int = 4) -> str:
+    body = make_job(name).nodes(nodes).gpus(2).obj()
+    body["metadata"] = {"name": name}
+    return custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)["metadata"]["uid"]
+
+
+def test_the_standby_takes_over_when_the_active_replica_is_killed(cluster, core, custom, ha_namespace, replicas):
+    from kubernetes import client
+
+    coordination = client.CoordinationV1Api(core.api_client)
+    leader = wait_for(lambda: holder(coordination, ha_namespace), what="a replica holding the Lease")
+    active = replicas[int(leader.rsplit("-", 1)[1])]
+    standby = replicas[1 - replicas.index(active)]
+
+    def pods(name: str) -> list:
+        return core.list_namespaced_pod(ha_namespace, label_selector=f"{LABEL_JOB}={name}").items
+
+    def running(name: str, n: int):
+        ps = [p for p in pods(name) if p.status.phase == "Running"]
+        status = custom.get_namespaced_custom_object(GROUP, VERSION, ha_namespace, PLURAL, name).get("status") or {}
+        return len(ps) == n and status.get("phase") == "Running" and (ps, status)
+
+    # The standby does not act: one job, created and run by the active replica only.
+    create(custom, ha_namespace, "first", nodes=2)
+    wait_for(lambda: running("first", 2), timeout=60, what="the first job running")
+    # Progress posted to the standby reaches status all the same: nothing lives in one replica's memory.
+    first_uid = custom.get_namespaced_custom_object(GROUP, VERSION, ha_namespace, PLURAL, "first")["metadata"]["uid"]
+    token = mint(core, ha_namespace, pods("first")[0])
+    report = {"uid": first_uid, "namespace": ha_namespace, "name": "first", "attempt": 1, "run": "r", "step": 7,
+              "updatedAt": "2026-01-01T00:00:00Z"}  # fmt: skip
+    assert post(standby, report, token)[0] == 200
+    wait_for(lambda: running("first", 2)[1].get("progress", {}).get("step") == 7, what="progress via the standby")
+
+    # SIGKILL the active replica while it creates a 4-pod gang.
+    create(custom, ha_namespace, "second", nodes=4)
+    wait_for(lambda: pods("second"), timeout=30, interval=0.05, what="the second job's first pod")
+    killed_at = time.monotonic()
+    active.kill()
+    wait_for(lambda: holder(coordination, ha_namespace) == standby.env["SHARDED_OPERATOR_IDENTITY"],
+             timeout=LEASE_SECONDS * 3, what="the standby holding the Lease")  # fmt: skip
+    took_over = time.monotonic() - killed_at
+    ps, status = wait_for(lambda: running("second", 4), timeout=60, what="the second job running")
+    recovered = time.monotonic() - killed_at
+    print(f"takeover {took_over:.1f}s, the interrupted job running {recovered:.1f}s after the kill")
+    assert took_over <= LEASE_SECONDS + 5  # the Lease's duration, plus the standby's retry period and slack
+    assert sorted(p.metadata.name for p in ps) == ["second-0", "second-1", "second-2", "second-3"]
+    assert len(pods("second")) == 4 and (status["attempt"], status["restarts"]) == (1, 0)
+    assert running("first", 2)[1]["restarts"] == 0  # the first job was left as it was
+    reasons = [e.reason for e in core.list_namespaced_event(ha_namespace).items if e.involved_object.name == "second"]
+    assert reasons.count("Creating") <= 1 and reasons.count("Running") == 1, reasons  # none twice

@@ -14,6 +14,7 @@ import localcluster
 from conftest import wait_for
 from jobs import make_job
 from localstack import OperatorProcess
+from reports import mint, post
 from sharded_operator.models import GROUP, PLURAL, VERSION
 
 pytestmark = pytest.mark.integration
@@ -67,7 +68,8 @@ def test_install_creates_a_running_operator_deployment_and_the_crd(release):
 
 def test_operator_with_the_charts_identity_reconciles_a_job(release, tmp_path):
     kubeconfig = token_kubeconfig(release, sa_token(release), tmp_path / "sa.kubeconfig")
-    op = OperatorProcess(kubeconfig, tmp_path / "op.log", NAMESPACES=JOBS_NS, RESTART_GRACE_SECONDS="0").start()
+    op = OperatorProcess(kubeconfig, tmp_path / "op.log", NAMESPACES=JOBS_NS, RESTART_GRACE_SECONDS="0",
+                         LEASE_NAME=SA, LEASE_NAMESPACE=NS, PROGRESS_WRITE_SECONDS="0").start()  # fmt: skip
     try:
         body = make_job("rbac").nodes(2).gpus(2).obj()
         body["metadata"] = {"name": "rbac"}
@@ -80,6 +82,19 @@ def test_operator_with_the_charts_identity_reconciles_a_job(release, tmp_path):
         wait_for(running, timeout=60, what="job Running under the chart's RBAC")
         pods = release.api("GET", f"/api/v1/namespaces/{JOBS_NS}/pods")["items"]
         assert len(pods) == 2
+        lease = release.api("GET", f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/{SA}")
+        assert lease["spec"]["holderIdentity"]  # the Lease RBAC is enough to elect itself
+        # A progress report: verified with a TokenReview and written into status, under the chart's RBAC.
+        from kubernetes import client, config
+
+        core = client.CoreV1Api(config.new_client_from_config(config_file=str(release.kubeconfig)))
+        pod = core.read_namespaced_pod(pods[0]["metadata"]["name"], JOBS_NS)
+        job = release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/rbac")
+        report = {"uid": job["metadata"]["uid"], "namespace": JOBS_NS, "name": "rbac", "attempt": 1, "run": "r",
+                  "step": 3, "updatedAt": "2026-01-01T00:00:00Z"}  # fmt: skip
+        assert post(op, report, mint(core, JOBS_NS, pod))[0] == 200
+        wait_for(lambda: release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/rbac")
+                 .get("status", {}).get("progress", {}).get("step") == 3, what="progress under the chart's RBAC")
         # No request of the operator was refused (a port such as 40349 must not count as a 403).
         assert not re.search(r"Forbidden|\b403\b", op.log.read_text()), op.log.read_text()[-3000:]
     finally:

@@ -246,3 +246,16 @@ def test_a_holder_that_cannot_renew_stops_acting_before_another_may_take_over():
     assert not me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE))
     assert RENEW_DEADLINE < LEASE_SECONDS  # stops before the lease can pass to another replica
     assert Leadership("a", enabled=False).leading(NOW)  # a single replica always acts
+
+
+def test_a_change_of_only_the_reported_fields_does_not_cause_a_reconcile():
+    from sharded_operator.handlers import _digest
+
+    job = make_job().status(attempt=1, phase="Running").obj()
+    job["metadata"]["resourceVersion"] = "1"
+    reported = {**job, "metadata": {**job["metadata"], "resourceVersion": "2"},
+                "status": {**job["status"], "progress": {"step": 5}, "lastTrainerEvent": {"attempt": 1, "run": "r",
+                                                                                           "seq": 2}}}  # fmt: skip
+    assert _digest(reported) == _digest(job)
+    assert _digest({**job, "status": {**job["status"], "phase": "Restarting"}}) != _digest(job)
+    assert _digest({**job, "spec": {**job["spec"], "nodes": 3}}) != _digest(job)

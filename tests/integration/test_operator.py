@@ -395,3 +395,17 @@ def test_metrics_endpoint_reports_the_runs(ops, operator):
     assert values['sharded_jobs{phase="Running"}'] >= 1
     assert values["sharded_pods_created_total"] >= 4
     assert values["sharded_reconcile_duration_seconds_count"] > 0
+
+
+def test_pods_are_admitted_where_pod_security_is_restricted_and_infiniband_says_why_not(ops, core):
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+    core.patch_namespace(ops.ns, {"metadata": {"labels": labels}})
+    ops.create(gpu_job())
+    ops.wait_running_attempt(1, 2)  # the default pods pass `restricted`
+    ib = gpu_job().spec("network.infiniband", {"enabled": True})
+    body = ib.obj()
+    body["metadata"] = {"name": "ib"}
+    ops.custom.create_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, body)
+    status = wait_for(lambda: (s := ops.status("ib")).get("phase") == "Pending" and "refused" in s.get("message", "")
+                      and s, what="the InfiniBand job refused by Pod Security")  # fmt: skip
+    assert "IPC_LOCK" in status["message"] or "capabilities" in status["message"], status["message"]

@@ -5,8 +5,14 @@ Layout (names in `contract`) of `<root>/step-00000040/`: the strategy's state (i
 A save is written into `step-00000040.g<generation>/` and renamed into place at its commit, and only
 the newest writer generation on the claim may commit (`fence`): an old attempt that wakes up late
 writes only into its own directory and stops at its commit.
-A directory without the marker (a crash mid-save, a pod killed while writing) is never loaded and is
-swept away by the next save, so the newest committed checkpoint always survives.
+
+The commit (`durability`): every rank flushes the files it wrote and reports their sizes and checksums;
+after the barrier, rank 0 writes the marker listing every file (atomically, then the directory), and
+renames the directory into place. A directory without the marker (a crash mid-save, a pod killed while
+writing, a removal interrupted) is never loaded and is swept away. At resume rank 0 chooses the
+checkpoint for every rank; the ranks verify its files against the marker between them, and one that
+fails, or fails to load, is set aside (renamed, kept for inspection, reported) and the next older one is
+tried: a torn or corrupt checkpoint never stops a job from resuming.
 """
 
 from __future__ import annotations
@@ -22,7 +28,24 @@ import torch
 import torch.distributed as dist
 
 from sharded_trainer.config import CheckpointConfig
-from sharded_trainer.contract import MARKER, TRAINER_STATE, WRITING_INFIX, iso, parse_step_dir, step_dir_name
+from sharded_trainer.contract import (
+    CORRUPT_INFIX,
+    MARKER,
+    TRAINER_STATE,
+    WRITING_INFIX,
+    iso,
+    parse_step_dir,
+    step_dir_name,
+)
+from sharded_trainer.durability import (
+    flush_and_describe,
+    fsync_path,
+    owned_files,
+    remove_checkpoint,
+    rng_file,
+    share_of,
+    verify,
+)
 from sharded_trainer.fence import claim_generation, newest_generation
 from sharded_trainer.process_group import DistEnv
 
@@ -77,14 +100,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class Pending:
     """An asynchronous save whose marker is written once every rank's write has finished."""
@@ -99,13 +114,15 @@ class CheckpointManager:
 
     def __init__(
         self, cfg: CheckpointConfig, env: DistEnv, total_steps: int, *, on_commit: Callable[[dict], None] | None = None,
-        fingerprint: dict | None = None,
+        on_set_aside: Callable[[dict], None] | None = None, fingerprint: dict | None = None,
     ):  # fmt: skip
-        """`on_commit` is told of each committed checkpoint ({step, path, time}) on every rank. `fingerprint`
-        says what can resume from this run's checkpoints; a checkpoint with another one is not loaded."""
+        """`on_commit` is told of each committed checkpoint ({step, path, time}) on every rank, `on_set_aside`
+        of each one set aside at resume ({step, path, reason}) on rank 0. `fingerprint` says what can resume
+        from this run's checkpoints; a checkpoint with another one is not loaded."""
         self.cfg, self.env, self.total_steps = cfg, env, total_steps
         self.fingerprint = fingerprint or {}
-        self.on_commit = on_commit
+        self.on_commit, self.on_set_aside = on_commit, on_set_aside
+        self._rank_files: Callable[[int], str] | None = None
         self.root = Path(cfg.dir) if cfg.dir else None
         self.pending: Pending | None = None
         self.last_committed: dict | None = None
@@ -114,6 +131,8 @@ class CheckpointManager:
             taken = [claim_generation(self.root) if env.is_main else None]
             dist.broadcast_object_list(taken, src=0)
             self.generation = int(taken[0])
+            if env.is_main:  # what a crash left behind: partial saves, removals interrupted half way
+                self._purge()
 
     def _writing_dir(self, step: int) -> Path:
         assert self.root is not None
@@ -138,7 +157,8 @@ class CheckpointManager:
                 shutil.rmtree(directory)
             (directory / "rng").mkdir(parents=True)
         dist.barrier()
-        torch.save(torch.get_rng_state(), directory / "rng" / f"rank-{self.env.rank}.pt")
+        self._rank_files = strategy.rank_files
+        torch.save(torch.get_rng_state(), directory / rng_file(self.env.rank))
         async_save = self.cfg.async_save and not force and step != self.total_steps
         future = strategy.save(directory, async_save=async_save)
         state = {**trainer_state, "step": step, "world": self.env.world, "fingerprint": self.fingerprint}
@@ -157,9 +177,13 @@ class CheckpointManager:
         self._commit(pending.step, pending.trainer_state)
 
     def _commit(self, step: int, state: dict) -> None:
-        assert self.root is not None
-        dist.barrier()  # every rank's shards are on disk before the marker says so
+        assert self.root is not None and self._rank_files is not None
         writing, directory = self._writing_dir(step), step_dir(self.root, step)
+        if self.env.is_main:  # rank 0's own file, flushed and listed with the rest
+            _write_atomic(writing / TRAINER_STATE, json.dumps(state, indent=2).encode())
+        mine = flush_and_describe(writing, owned_files(writing, self.env.rank, self.env.world, self._rank_files))
+        described: list[dict | None] = [None] * self.env.world
+        dist.all_gather_object(described, mine)  # also the barrier: every rank's files are on disk
         newest = [newest_generation(self.root) if self.env.is_main else None]
         dist.broadcast_object_list(newest, src=0)
         if int(newest[0]) > self.generation:
@@ -169,14 +193,14 @@ class CheckpointManager:
             )
         committed_at = iso()
         if self.env.is_main:
-            _write_atomic(writing / TRAINER_STATE, json.dumps(state, indent=2).encode())
-            marker = {"step": step, "time": committed_at, "generation": self.generation}
+            files = {name: entry for part in described for name, entry in (part or {}).items()}
+            marker = {"step": step, "time": committed_at, "generation": self.generation, "files": files}
             _write_atomic(writing / MARKER, json.dumps(marker).encode())
-            _fsync_dir(writing)
+            fsync_path(writing)
             if directory.exists():  # an older save at this step, committed or not: the newer one wins
                 shutil.rmtree(directory)
             os.replace(writing, directory)
-            _fsync_dir(self.root)
+            fsync_path(self.root)
             self._purge()
         self.last_committed = {"step": step, "path": str(directory), "time": committed_at}
         dist.barrier()
@@ -195,7 +219,9 @@ class CheckpointManager:
                 self._purge_writing(d)
                 continue
             committed = is_committed(d)
-            if (committed and s not in keep) or (not committed and s < newest):
+            if committed and s not in keep:
+                remove_checkpoint(d)
+            elif not committed and s < newest:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _purge_writing(self, d: Path) -> None:
@@ -205,24 +231,82 @@ class CheckpointManager:
             shutil.rmtree(d, ignore_errors=True)
 
     def load_latest(self, strategy) -> dict | None:
-        """Restore the newest committed checkpoint into `strategy`; returns its trainer state, or None."""
+        """Restore the newest committed checkpoint that verifies and loads into `strategy`, setting aside
+        each newer one that does not; returns its trainer state, or None."""
         if not self.enabled or not self.cfg.resume:
             return None
         assert self.root is not None
-        directory = newest_committed(self.root)
-        if directory is None:
-            return None
-        state = json.loads((directory / TRAINER_STATE).read_text())
-        saved = state.get("fingerprint", self.fingerprint)  # checkpoints from before fingerprints load as they are
-        if not isinstance(saved, dict):  # a file on a shared claim: anything may be in it
-            saved = {"fingerprint": f"unreadable ({type(saved).__name__})"}
-        if diff := differences(saved, self.fingerprint):
-            raise Incompatible(f"checkpoint {directory} cannot be resumed by this run: {'; '.join(diff)}")
-        strategy.load(directory)
-        rng = directory / "rng" / f"rank-{self.env.rank}.pt"
+        # Rank 0 alone lists the claim: on a network filesystem with caching, ranks may see different newest.
+        candidates = list(reversed(committed_steps(self.root))) if self.env.is_main else []
+        dirty = False  # a load failed part way: the state may hold some of that checkpoint
+        while True:
+            chosen = [(candidates.pop(0) if candidates else None) if self.env.is_main else None]
+            dist.broadcast_object_list(chosen, src=0)
+            if chosen[0] is None:
+                if dirty:  # nothing older overwrote it: the next attempt starts clean, without that checkpoint
+                    raise RuntimeError(f"no checkpoint under {self.root} loads; the ones that failed are set aside")
+                return None
+            directory = step_dir(self.root, int(chosen[0]))
+            state, problems = self._check(directory)
+            if not problems:
+                try:
+                    strategy.load(directory)
+                except Exception as e:  # a checkpoint from before checksums, say: its load is its check
+                    problems = [f"loading failed on rank {self.env.rank}: {type(e).__name__}: {e}"[:500]]
+                problems = self._gathered(problems)
+                dirty = dirty or bool(problems)
+            if not problems:
+                break
+            self._set_aside(directory, problems)
+        assert state is not None
+        rng = directory / rng_file(self.env.rank)
         # RNG streams are per rank: restore them only when the world is the same shape.
         if state.get("world") == self.env.world and rng.is_file():
             torch.set_rng_state(torch.load(rng, weights_only=True))
         committed_at = json.loads((directory / MARKER).read_text()).get("time")
         self.last_committed = {"step": state["step"], "path": str(directory), "time": committed_at}
         return state
+
+    def _check(self, directory: Path) -> tuple[dict | None, list[str]]:
+        """The checkpoint's trainer state and what is wrong with it, agreed by every rank. An incompatible
+        checkpoint raises `Incompatible`: it is not corrupt, and is never set aside."""
+        problems: list[str] = []
+        state: dict | None = None
+        try:
+            state = json.loads((directory / TRAINER_STATE).read_text())
+            marker = json.loads((directory / MARKER).read_text())
+            if not isinstance(state, dict) or not isinstance(marker, dict) or "step" not in state:
+                raise ValueError("not a JSON object with a step")
+        except (OSError, ValueError) as e:
+            problems.append(f"{TRAINER_STATE} or {MARKER} unreadable: {e}"[:500])
+        problems = self._gathered(problems)
+        if problems:
+            return None, problems
+        assert state is not None
+        saved = state.get("fingerprint", self.fingerprint)  # checkpoints from before fingerprints load as they are
+        if not isinstance(saved, dict):  # a file on a shared claim: anything may be in it
+            saved = {"fingerprint": f"unreadable ({type(saved).__name__})"}
+        if diff := differences(saved, self.fingerprint):
+            raise Incompatible(f"checkpoint {directory} cannot be resumed by this run: {'; '.join(diff)}")
+        files = marker.get("files")
+        if isinstance(files, dict):  # written with checksums: the ranks check the files between them
+            problems = verify(directory, files, share_of(files, self.env.rank, self.env.world))
+        return state, self._gathered(problems)
+
+    def _gathered(self, problems: list[str]) -> list[str]:
+        every: list[list[str] | None] = [None] * self.env.world
+        dist.all_gather_object(every, problems)
+        return [p for part in every for p in (part or [])]
+
+    def _set_aside(self, directory: Path, problems: list[str]) -> None:
+        """Rename a checkpoint that cannot be resumed out of the way, keeping it for inspection."""
+        assert self.root is not None
+        step = parse_step_dir(directory.name)
+        reason = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        if self.env.is_main:
+            aside = self.root / f"{directory.name}{CORRUPT_INFIX}{self.generation}"
+            os.replace(directory, aside)
+            fsync_path(self.root)
+            if self.on_set_aside:
+                self.on_set_aside({"step": step, "path": str(aside), "reason": reason})
+        dist.barrier()

@@ -93,6 +93,9 @@ MARKER = "COMMITTED"
 TRAINER_STATE = "trainer.json"
 # Writer generations on the claim: one empty file per training start, the newest owns the checkpoints.
 FENCE_DIR = ".generations"
+# A checkpoint that fails its checks or its load is renamed `step-NNNNNNNN.corrupt-g<generation>`: kept for
+# inspection, never loaded, never counted among the kept ones.
+CORRUPT_INFIX = ".corrupt-g"
 # A save is written into `step-NNNNNNNN.g<generation>` and renamed to the step directory at its commit.
 WRITING_INFIX = ".g"
 

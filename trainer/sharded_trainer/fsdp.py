@@ -124,6 +124,10 @@ class FsdpStrategy:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
 
+    @staticmethod
+    def rank_files(rank: int) -> str:
+        return f"__{rank}_*.distcp"  # DCP's file system writer: one prefix per rank; `.metadata` is rank 0's
+
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp

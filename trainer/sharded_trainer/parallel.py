@@ -37,6 +37,11 @@ class Strategy(Protocol):
 
     def load(self, directory: Path) -> None: ...
 
+    @staticmethod
+    def rank_files(rank: int) -> str:
+        """Glob, relative to a step directory, of the files only `rank` writes in `save` (each rank flushes
+        and checksums its own files at commit; rank 0 owns every file no rank's glob names)."""
+
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state from a checkpoint this strategy wrote, as float32 tensors, in

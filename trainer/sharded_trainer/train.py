@@ -52,8 +52,15 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     report = ProgressReporter(
         target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
     )
+    def set_aside(info: dict) -> None:  # rank 0: a checkpoint that failed its checks or its load
+        emit({"event": "set_aside", **info})
+        report.event(
+            TrainerEventType.CHECKPOINT_SET_ASIDE, f"checkpoint at step {info['step']} set aside: {info['reason']}",
+            step=info["step"], checkpoint={"step": info["step"], "path": info["path"]},
+        )  # fmt: skip
+
     ckpt = CheckpointManager(
-        cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed,
+        cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed, on_set_aside=set_aside,
         fingerprint=fingerprint(cfg, model, strategy, env),
     )  # fmt: skip
     # What the run settled on (backend `auto` resolved here outside a pod; the world size torchrun made).

@@ -104,6 +104,10 @@ class Zero2Strategy:
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
 
+    @staticmethod
+    def rank_files(rank: int) -> str:
+        return f"{TAG}/*zero_pp_rank_{rank}_*"  # each rank's optimizer partition; the model states are rank 0's
+
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         # ZeRO-2 does not partition parameters: rank 0's model-states file holds every module weight, in

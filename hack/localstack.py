@@ -114,7 +114,7 @@ class LocalStack:
             self.agent = NodeAgent(str(self.cluster.kubeconfig), self.workdir / "nodeagent", names).start()
             self.operator = OperatorProcess(
                 self.cluster.kubeconfig, self.workdir / "operator.log", host=GATEWAY,
-                RESTART_GRACE_SECONDS="10", SUSPEND_GRACE_SECONDS="60",
+                RESTART_GRACE_SECONDS="10", SUSPEND_GRACE_SECONDS="60", PROGRESS_WRITE_SECONDS="2",
             ).start()  # fmt: skip
         except BaseException:
             self.stop()

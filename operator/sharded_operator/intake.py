@@ -4,7 +4,8 @@ A report is taken only from a live pod of the job's current attempt (the checks:
 token is verified by a TokenReview (junk is refused before any API call, and verifications are
 rate-limited), its body by the contract's `ProgressReport`, each pod is rate-limited, and the accepted
 report is written into the job's status by whichever replica took it, at most once per
-`progressWriteSeconds` per job so the API server sees a bounded write rate. Nothing that matters is held
+`progressWriteSeconds` per job so the API server sees a bounded write rate (a report with a new trainer
+event, or of the last step, at once). Nothing that matters is held
 only in memory, and what is held (caches, rate limits, the newest report per job awaiting its write) is
 keyed by verified senders and pruned, so memory is bounded by the live jobs whatever is posted.
 """
@@ -162,11 +163,16 @@ class ProgressDesk:
     async def _accept(self, report: ProgressReport) -> dict[str, Any]:
         desk = self.jobs.setdefault(report.uid, JobDesk())
         desk.report, desk.touched = report, self.clock()
-        written = False
-        if self.clock() - desk.written_at >= self.settings.progress_write_seconds:
-            written = await self.write(report.uid)
         cursor = desk.cursor
         ack = cursor[2] if cursor and cursor[:2] == (report.attempt, report.run) else 0
+        # Progress waits for its interval; what happened (a trainer event) and the last step do not. Both are
+        # bounded: events by the checkpoint interval, every report by the per-pod rate limit.
+        urgent = any(e.seq > ack for e in report.events) or report.step == report.total_steps
+        written = False
+        if urgent or self.clock() - desk.written_at >= self.settings.progress_write_seconds:
+            written = await self.write(report.uid)
+            cursor = desk.cursor
+            ack = cursor[2] if cursor and cursor[:2] == (report.attempt, report.run) else 0
         return {"acknowledged": ack, "written": written}
 
     async def write(self, uid: str) -> bool:

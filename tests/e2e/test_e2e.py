@@ -239,3 +239,25 @@ def test_a_zombie_attempt_on_a_lost_node_wakes_up_and_has_its_commit_refused(job
 
 def committed_generation(root: Path, step: int) -> int:
     return json.loads((root / step_dir_name(step) / MARKER).read_text())["generation"]
+
+
+def test_a_checkpoint_damaged_while_suspended_is_set_aside_and_the_one_before_resumed(jobs, stack):
+    name = "e2e-damaged"
+    jobs.create(job(name, steps=60))
+    jobs.wait(name, lambda s: (s.get("progress") or {}).get("step", 0) >= 12, what="training")
+    jobs.patch(name, {"runPolicy": {"suspend": True}})
+    jobs.wait(name, lambda s: s.get("phase") == "Suspended", what="Suspended")
+    wait_for(lambda: not jobs.runs(name), timeout=90, what="pod processes gone")
+    *_, previous, newest = jobs.checkpoints(name)
+    shard = sorted((stack.claim_dir(NS, f"{name}-checkpoints") / name / step_dir_name(newest)).glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # bit rot on the claim while nothing ran
+    shard.write_bytes(bytes(data))
+
+    jobs.patch(name, {"runPolicy": {"suspend": False}})
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0, jobs.logs(name)[-3000:]
+    assert status["resumedFrom"]["step"] == previous  # the damaged one was skipped, and status says from where
+    assert "CheckpointSetAside" in jobs.event_reasons(name)
+    aside = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "set_aside"' in line]
+    assert aside and aside[0]["step"] == newest and "checksum" in aside[0]["reason"]

@@ -83,3 +83,22 @@ def test_a_resume_walks_past_every_damaged_checkpoint_to_the_newest_sound_one(si
         assert [p.name for p in root.glob(f"{step_dir(root, step).name}{CORRUPT_INFIX}*")], step
     assert not leftover.exists()
     assert committed_steps(root) == [10, 20, 30, 40, 50, 60]  # trained again from 10, every save committed
+
+
+def test_a_checkpoint_from_before_checksums_is_checked_by_loading_it(six, tmp_path):
+    """A marker without a file list (an older release wrote it) cannot be verified: a load that fails sets
+    it aside all the same. The damaged file is one every rank reads, as a real torn metadata file would be."""
+    strategy, tmp, config = six
+    root = tmp / "ckpt"
+    newest = step_dir(root, committed_steps(root)[-1])
+    marker = json.loads((newest / MARKER).read_text())
+    del marker["files"]
+    (newest / MARKER).write_text(json.dumps(marker))
+    read_by_all = newest / (".metadata" if strategy == "fsdp" else "zero2/mp_rank_00_model_states.pt")
+    read_by_all.write_bytes(read_by_all.read_bytes()[:100])
+
+    run = run_job(tmp, config)
+    assert run.returncodes == [0, 0], run.output[-4000:]
+    [aside] = [m for m in run.metrics if m.get("event") == "set_aside"]
+    assert aside["step"] == 60 and "loading failed" in aside["reason"], aside
+    assert run.event("resumed")["step"] == 50

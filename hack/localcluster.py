@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"
-GPU_NODE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"}
+# As the GPU Operator and an RDMA shared device plugin make a node report them.
+GPU_NODE_CAPACITY = {"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8", "rdma/ib": "8"}
 
 
 def binaries_dir() -> Path:

@@ -78,12 +78,33 @@ def backend(job: ShardedTrainingJob) -> str:
 
 
 def rendezvous_port(job: ShardedTrainingJob) -> int:
-    """The spec's port; on the host network a per-job port derived from the UID so jobs sharing a node
-    do not clash."""
+    """The spec's port; on the host network the job's own host port (`status.hostPort`, see
+    `choose_host_port`), which every pod declares as a hostPort so the scheduler never puts two jobs that
+    bind the same port on one node."""
     s = job.spec
     if not s.network.host_network:
         return s.rendezvous.port
-    return 20000 + zlib.crc32(job.metadata.get("uid", _name(job)).encode()) % 20000
+    if job.status.host_port is None:  # chosen by reconcile before any child is built; a fallback for safety
+        lo, hi = DEFAULT_HOST_PORTS
+        return lo + zlib.crc32(job.metadata.get("uid", _name(job)).encode()) % (hi - lo + 1)
+    return job.status.host_port
+
+
+DEFAULT_HOST_PORTS = (29500, 30499)
+
+
+def choose_host_port(uid: str, ports: tuple[int, int], used: set[int]) -> int:
+    """A port of the range no other active host-network job holds, starting from one derived from the UID
+    (so concurrent choices rarely meet). With every port held, the derived one: the declared hostPort then
+    keeps the two jobs on different nodes rather than letting them collide."""
+    lo, hi = ports
+    size = hi - lo + 1
+    start = zlib.crc32(uid.encode()) % size
+    for i in range(size):
+        port = lo + (start + i) % size
+        if port not in used:
+            return port
+    return lo + start
 
 
 def rendezvous_host(job: ShardedTrainingJob) -> str:
@@ -295,12 +316,15 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
     volumes += s.pod.volumes
     mounts += s.pod.volume_mounts
 
+    port = {"name": "rendezvous", "containerPort": rendezvous_port(job)}
+    if s.network.host_network:  # the port is the node's: declared, the scheduler keeps colliding jobs apart
+        port["hostPort"] = port["containerPort"]
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": s.image,
         "command": command,
         "env": _env(job, index, attempt, settings),
-        "ports": [{"name": "rendezvous", "containerPort": rendezvous_port(job)}],
+        "ports": [port],
         "volumeMounts": mounts,
     }
     if s.pod.image_pull_policy:

@@ -71,6 +71,15 @@ class Kube:
             raise
 
     @retrying
+    def host_ports_in_use(self) -> list[int | None]:
+        """`status.hostPort` of every job in the cluster that has not finished."""
+        jobs = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        return [
+            (j.get("status") or {}).get("hostPort") for j in jobs
+            if (j.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ]  # fmt: skip
+
+    @retrying
     def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job}")
         return [self._dict(p) for p in pods.items]

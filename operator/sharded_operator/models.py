@@ -255,6 +255,10 @@ class ShardedTrainingJobStatus(StatusModel):
         "retained claim, too).",
     )
     last_failure: FailureInfo | None = Field(None, description="Last failure that ended an attempt.")
+    host_port: int | None = Field(
+        None, description="With network.hostNetwork: the port the job's pods bind on their nodes (the rendezvous), "
+        "chosen from the operator's hostPortRange and declared as a hostPort.",
+    )
     start_time: str | None = Field(None, description="When the job first started (RFC 3339).")
     active_since: str | None = Field(
         None, description="When the job last became active: its start or its last resume (activeDeadlineSeconds)."

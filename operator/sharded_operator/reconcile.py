@@ -104,14 +104,19 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
             ctx.kube.delete_pod(namespace, pod, plan.grace_seconds)
         for pod in plan.force_delete:
             ctx.kube.delete_pod(namespace, pod, 0)
-        # 2. children the pods need, then the pods of the current attempt
+        # 2. children the pods need, then the pods of the current attempt (built from the decided status:
+        #    a host-network job's port is chosen once, before its first child)
+        if job.spec.network.host_network and plan.status.host_port is None and plan.status.phase not in FINISHED:
+            used = {p for p in ctx.kube.host_ports_in_use() if p is not None}
+            plan.status.host_port = builders.choose_host_port(uid, ctx.settings.host_ports, used)
+        decided = job.model_copy(update={"status": plan.status})
         if plan.create:
             refusal = held = None
             try:
                 # The pods would mount or resolve another job's objects while it is held.
-                held = _ensure_children(ctx, job, body)
+                held = _ensure_children(ctx, decided, body)
                 for index in [] if held else plan.create:
-                    pod = adopt(builders.build_pod(job, index, plan.status.attempt, ctx.settings), body)
+                    pod = adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
                     if ctx.kube.create(namespace, pod):
                         ctx.metrics.pods_created.inc()
             except MissingAPI as e:

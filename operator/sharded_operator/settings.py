@@ -71,6 +71,11 @@ class OperatorSettings(BaseModel):
         description="Pod overrides refused for every job (comma-separated): hostPath, hostNetwork, serviceAccountName, "
         "secretEnv, labels. For clusters without admission policies; the chart's policy checks the submitter instead.",
     )
+    host_port_range: str = Field(
+        "29500-30499", pattern=r"^\d+-\d+$",
+        description="Ports (lo-hi) host-network jobs bind on their nodes, one per job; keep it below the kernel's "
+        "ephemeral range (32768-60999 by default) so no connection's local port takes it.",
+    )  # fmt: skip
     pod_uid: int = Field(1000, ge=1, le=2**31 - 1, description="UID and GID training pods run as (the image's user).")
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 
@@ -86,6 +91,19 @@ class OperatorSettings(BaseModel):
         if unknown := set(value) - allowed:
             raise ValueError(f"unknown pod overrides {sorted(unknown)}; choose from {sorted(allowed)}")
         return value
+
+    @field_validator("host_port_range")
+    @classmethod
+    def _ports(cls, value: str) -> str:
+        lo, hi = (int(x) for x in value.split("-"))
+        if not 1024 <= lo <= hi < 32768:
+            raise ValueError(f"{value}: want lo-hi within 1024-32767, below the ephemeral range")
+        return value
+
+    @property
+    def host_ports(self) -> tuple[int, int]:
+        lo, hi = self.host_port_range.split("-")
+        return int(lo), int(hi)
 
     def ignores(self, namespace: str) -> bool:
         return any(fnmatch.fnmatchcase(namespace, pattern) for pattern in self.ignore_namespaces)

@@ -409,3 +409,25 @@ def test_pods_are_admitted_where_pod_security_is_restricted_and_infiniband_says_
     status = wait_for(lambda: (s := ops.status("ib")).get("phase") == "Pending" and "refused" in s.get("message", "")
                       and s, what="the InfiniBand job refused by Pod Security")  # fmt: skip
     assert "IPC_LOCK" in status["message"] or "capabilities" in status["message"], status["message"]
+
+
+def test_two_host_network_jobs_share_nodes_each_on_a_port_of_its_own(ops, core):
+    """InfiniBand jobs on the host network bind their rendezvous port on the node: each job gets its own
+    from the operator's range, declared as a hostPort, so two of them can share nodes without colliding."""
+    two_nodes = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                               "values": ["gpu-node-0", "gpu-node-1"]}]}]}}}  # fmt: skip
+    for name in ("a", "b"):
+        job = (gpu_job(nodes=2, gpus=4).spec("network", {"hostNetwork": True, "infiniband": {"enabled": True}})
+               .spec("scheduling.affinity", two_nodes))  # fmt: skip
+        body = job.obj()
+        body["metadata"] = {"name": name}
+        ops.custom.create_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, body)
+    a, b = (ops.wait_running_attempt(1, 2, name=n) for n in ("a", "b"))
+    ports = {n: ops.status(n)["hostPort"] for n in ("a", "b")}
+    assert ports["a"] != ports["b"] and all(29500 <= p <= 30499 for p in ports.values()), ports
+    for name, pods in (("a", a), ("b", b)):
+        assert {p.spec.node_name for p in pods} == {"gpu-node-0", "gpu-node-1"}
+        for pod in pods:
+            [port] = pod.spec.containers[0].ports
+            assert port.host_port == port.container_port == ports[name] and pod.spec.host_network

@@ -84,14 +84,34 @@ def test_infiniband_profile():
     assert env["NCCL_SOCKET_IFNAME"] == "eth0" == env["GLOO_SOCKET_IFNAME"]
 
 
-def test_host_network_uses_cluster_dns_and_a_per_job_port():
-    a = make_job("a").gpus(8).spec("network.hostNetwork", True).model()
-    b = make_job("b").gpus(8).spec("network.hostNetwork", True).model()
+def test_host_network_binds_the_jobs_own_port_and_declares_it():
+    a = make_job("a").gpus(8).spec("network.hostNetwork", True).status(hostPort=29517).model()
     pod = builders.build_pod(a, 0, 1, SETTINGS)
     assert pod["spec"]["hostNetwork"] is True and pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
-    assert builders.rendezvous_port(a) != builders.rendezvous_port(b)
-    assert env_of(pod)["MASTER_PORT"] == str(builders.rendezvous_port(a))
-    assert builders.build_service(a)["spec"]["ports"][0]["port"] == builders.rendezvous_port(a)
+    assert pod["spec"]["containers"][0]["ports"] == [{"name": "rendezvous", "containerPort": 29517, "hostPort": 29517}]
+    assert env_of(pod)["MASTER_PORT"] == "29517" and env_of(pod)["PET_RDZV_ENDPOINT"].endswith(":29517")
+    assert builders.build_service(a)["spec"]["ports"][0]["port"] == 29517
+    plain = builders.build_pod(make_job("b").model(), 0, 1, SETTINGS)
+    assert "hostPort" not in plain["spec"]["containers"][0]["ports"][0]
+
+
+def test_each_host_network_job_gets_a_port_no_other_active_one_holds():
+    ports = (29500, 29503)
+    first = builders.choose_host_port("uid-a", ports, set())
+    assert 29500 <= first <= 29503
+    taken = {first}
+    for uid in ("uid-b", "uid-c", "uid-d"):
+        port = builders.choose_host_port(uid, ports, taken)
+        assert port not in taken and 29500 <= port <= 29503
+        taken.add(port)
+    assert taken == {29500, 29501, 29502, 29503}
+    assert builders.choose_host_port("uid-e", ports, taken) in taken  # all held: the declared port keeps them apart
+
+
+@pytest.mark.parametrize("bad", ["40000-40100", "100-200", "30000-29000"])
+def test_the_host_port_range_stays_below_the_ephemeral_ports(bad):
+    with pytest.raises(ValueError, match="ephemeral"):
+        OperatorSettings(host_port_range=bad)
 
 
 def test_elastic_job_passes_a_node_range_and_restarts_to_torchrun():

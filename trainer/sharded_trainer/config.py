@@ -82,10 +82,18 @@ class FsdpOptions(Model):
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
     compile: bool = Field(False, description="torch.compile each transformer block.")
     prefetch: int = Field(
-        1, ge=0, le=4, description="Blocks whose all-gather is issued ahead (forward and backward prefetch)."
-    )
+        1, ge=0, le=4,
+        description="Blocks whose all-gather each block issues ahead of its compute (forward: the next ones, "
+        "backward: the previous ones). 0 leaves FSDP2's implicit order (backward one block ahead, forward as the "
+        "host reaches each block); more overlaps more communication at the cost of memory for gathered blocks.",
+    )  # fmt: skip
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Dtype of gradient reduce-scatter; fp32 keeps reduction exact under bf16 params."
+    )
+    shard: Literal["full", "hybrid"] = Field(
+        "full",
+        description="full: shard over every process; hybrid: shard within each node and replicate across nodes "
+        "(less traffic over the inter-node link, more memory per GPU). Checkpoints load under either.",
     )
 
 

@@ -32,7 +32,10 @@ def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: tor
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
-    if options.prefetch > 1:
+    # prefetch N: each block issues the all-gathers of the next N blocks before its own forward compute and
+    # of the previous N before its backward. 0 leaves FSDP2's implicit order: forward all-gathers issued as
+    # the host reaches each block, backward one block ahead.
+    if options.prefetch >= 1:
         for i, block in enumerate(sharded):
             block.set_modules_to_forward_prefetch(sharded[i + 1 : i + 1 + options.prefetch])
             block.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - options.prefetch) : i])))
@@ -61,7 +64,18 @@ class FsdpStrategy:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.env, self.cfg = env, cfg
-        self.mesh = init_device_mesh(env.device.type, (env.world,))
+        if cfg.strategy.fsdp.shard == "hybrid":  # HSDP: rows are nodes (replicas), columns a node's processes
+            per_node = env.local_world
+            if env.world % per_node:
+                raise ValueError(f"strategy.fsdp.shard hybrid needs the same processes on every node: {env.world} "
+                                 f"processes, {per_node} on this node")  # fmt: skip
+            shape, names = (env.world // per_node, per_node), ("replicate", "shard")
+            self.layout = f"hybrid: {shape[0]} replicas x {shape[1]} shards"
+        else:
+            shape, names = (env.world,), ("shard",)
+            self.layout = f"full: {env.world} shards"
+        self.layout += f", prefetch {cfg.strategy.fsdp.prefetch}"
+        self.mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
         self.model = apply_fsdp(model, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision])
         self.loss = loss_function(cfg.strategy.fsdp.compile)
         self.optimizer = make_optimizer(self.model.parameters(), cfg, env.device)

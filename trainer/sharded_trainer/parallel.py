@@ -25,6 +25,8 @@ class Strategy(Protocol):
     model: nn.Module
     # Whether its checkpoints load only at the world size that wrote them (DeepSpeed's partitioning).
     world_bound: bool
+    # How the state is laid out over the processes, for people (the SettingChosen event).
+    layout: str
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward/backward every micro-batch, step the optimizer. Returns this rank's mean loss and the

@@ -20,6 +20,7 @@ class DistEnv:
     world: int
     backend: str
     device: torch.device
+    local_world: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -51,6 +52,7 @@ def init_distributed(requested_backend: str, timeout_s: float = 600) -> DistEnv:
         )  # fmt: skip
     rank, world = int(os.environ[WorkerEnv.RANK]), int(os.environ[WorkerEnv.WORLD_SIZE])
     local_rank = int(os.environ.get(WorkerEnv.LOCAL_RANK, "0"))
+    local_world = int(os.environ.get(WorkerEnv.LOCAL_WORLD_SIZE, "1"))
     backend = resolve_backend(requested_backend)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
@@ -63,7 +65,9 @@ def init_distributed(requested_backend: str, timeout_s: float = 600) -> DistEnv:
     dist.init_process_group(
         backend=backend, timeout=datetime.timedelta(seconds=timeout_s), rank=rank, world_size=world, **kwargs
     )
-    return DistEnv(rank=rank, local_rank=local_rank, world=world, backend=backend, device=device)
+    return DistEnv(
+        rank=rank, local_rank=local_rank, world=world, backend=backend, device=device, local_world=local_world
+    )
 
 
 def any_true(flag: bool, device: torch.device, group=None) -> bool:

@@ -66,7 +66,8 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     # What the run settled on (backend `auto` resolved here outside a pod; the world size torchrun made).
     report.event(
         TrainerEventType.SETTING_CHOSEN,
-        f"{cfg.strategy.type} on {env.world} processes, backend {env.backend} on {env.device.type}",
+        f"{cfg.strategy.type} on {env.world} processes ({strategy.layout}), backend {env.backend} "
+        f"on {env.device.type}",
     )
 
     step = 0

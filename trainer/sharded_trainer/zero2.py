@@ -74,6 +74,7 @@ class Zero2Strategy:
 
         deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
         self.env, self.cfg = env, cfg
+        self.layout = f"optimizer state and gradients in {env.world} partitions"
         self.engine = apply_zero2(model, cfg=cfg, device=env.device)
         self.model = self.engine.module
         self.loss = loss_function(cfg.strategy.zero2.compile)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from sharded_trainer.checkpoint import CheckpointManager
 from sharded_trainer.config import TrainerConfig
@@ -40,7 +41,7 @@ def config(a) -> TrainerConfig:
             "steps": 10_000,
             "microBatchSize": a.batch,
             "seqLen": a.seq,
-            "precision": "bf16",
+            "precision": a.precision,
             "gradClipNorm": a.clip,  # the reference does not clip; 0 measures the same work
             "schedule": {"warmupSteps": 10},
             "strategy": {"type": a.strategy, a.strategy: strategy_options(a)},
@@ -54,6 +55,9 @@ def strategy_options(a) -> dict:
     options: dict = {"compile": a.compile}
     if a.no_reshard:
         options["reshardAfterForward"] = False
+    for item in a.option:  # KEY=VALUE of the strategy's options, as in a job's spec (camelCase)
+        key, _, value = item.partition("=")
+        options[key] = yaml.safe_load(value)
     return options
 
 
@@ -158,6 +162,9 @@ def main() -> None:
     ap.add_argument("--async-only", action="store_true", help="with --ckpt: only the two asynchronous saves")
     ap.add_argument("--no-reshard", action="store_true", help="FSDP: keep blocks gathered from forward to backward")
     ap.add_argument("--sdpa", choices=["default", "cudnn", "flash"], default="default", help="attention backend first")
+    ap.add_argument("--option", action="append", default=[], help="a strategy option KEY=VALUE (repeatable), "
+                    "e.g. activationCheckpointing=true, cpuOffload=true, prefetch=2, shard=hybrid")
+    ap.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     a = ap.parse_args()
 
     cfg = config(a)
@@ -195,6 +202,7 @@ def main() -> None:
         impl="trainer", strategy="fsdp2" if a.strategy == "fsdp" else "zero2", compile=a.compile, world=env.world,
         seq=a.seq, batch=a.batch, params=nparams, step_s=round(med, 4), tok_s_gpu=round(tps),
         mfu=round(fpt * tps / 989e12, 4), loss=round(float(loss), 3), sdpa=a.sdpa, reshard=not a.no_reshard,
+        options=a.option, precision=a.precision,
         peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
         peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2), gpu=torch.cuda.get_device_name(),
     )  # fmt: skip

@@ -7,6 +7,8 @@
 #   bench/run_h200.sh zero2        # ZeRO-2 pairs: batch 4 and 8, eager and compiled; 1-GPU scaling pair
 #   bench/run_h200.sh compiled     # every compiled pair, the best setting, the 1-GPU pair
 #   bench/run_h200.sh checkpoint   # checkpoint cost: raw write, sync, async, load (FSDP2); DeepSpeed (ZeRO-2)
+#   bench/run_h200.sh options-fsdp # each FSDP2 option next to the default at batch 4 (hybrid: 2 "nodes" of 1 GPU)
+#   bench/run_h200.sh options-zero2  # each ZeRO-2 option next to the default at batch 4 (fp16: loss scaling)
 #   bench/run_h200.sh eager        # eager pairs at BATCH (default 4) launched REPEAT times (default 2); FSDP2 profiled
 #   bench/run_h200.sh checkpoint fsdp   # several phases in one call, in that order
 # REPEAT=N launches each pair N times, swapping which side goes first; summarize.py takes medians.
@@ -71,6 +73,24 @@ trainer() {  # trainer LABEL ARGS...: a trainer arm with no reference counterpar
   arm "trainer-$label" 2 bench/bench_trainer.py --steps "$steps" "$@"
 }
 
+two_nodes() {  # two_nodes LABEL ARGS...: the trainer as 2 "nodes" of 1 GPU each (2 agents, c10d on loopback)
+  local label="$1" start=$SECONDS r
+  shift
+  if ((SECONDS >= budget)); then
+    echo "# SKIPPED $label (budget of ${budget}s spent)" | tee -a "$out"
+    return
+  fi
+  echo "== $label" >&2
+  for r in 0 1; do
+    CUDA_VISIBLE_DEVICES=$r timeout 240 torchrun --nnodes 2 --nproc-per-node 1 --node-rank "$r" \
+      --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29561 --rdzv-id "$label" \
+      bench/bench_trainer.py --steps "$steps" "$@" >"${out%.txt}-$label-$r.log" 2>&1 &
+  done
+  wait
+  grep -hE '^RESULT ' "${out%.txt}-$label-"*.log | sed "s/^/ARM trainer-$label /" | tee -a "$out"
+  echo "# $label took $((SECONDS - start)) s" >>"$out"
+}
+
 for phase in "$@"; do
 out="$profiles/$phase.txt"
 case "$phase" in
@@ -112,6 +132,21 @@ case "$phase" in
     pair zero2-b8-compiled 2 zero2 8 --compile
     trainer fsdp2-b16-compiled-noreshard --strategy fsdp --batch 16 --compile --no-reshard
     pair fsdp2-b4-compiled-1gpu 1 fsdp2 4 --compile
+    ;;
+  options-fsdp)
+    trainer fsdp2-b4 --strategy fsdp --batch 4
+    trainer fsdp2-b4-actckpt --strategy fsdp --batch 4 --option activationCheckpointing=true
+    trainer fsdp2-b4-prefetch0 --strategy fsdp --batch 4 --option prefetch=0
+    trainer fsdp2-b4-prefetch2 --strategy fsdp --batch 4 --option prefetch=2
+    two_nodes fsdp2-b4-2x1-full --strategy fsdp --batch 4
+    two_nodes fsdp2-b4-2x1-hybrid --strategy fsdp --batch 4 --option shard=hybrid
+    trainer fsdp2-b4-cpuoffload --strategy fsdp --batch 4 --steps 8 --option cpuOffload=true
+    ;;
+  options-zero2)
+    trainer zero2-b4 --strategy zero2 --batch 4
+    trainer zero2-b4-actckpt --strategy zero2 --batch 4 --option activationCheckpointing=true
+    trainer zero2-b4-fp16 --strategy zero2 --batch 4 --precision fp16
+    trainer zero2-b4-offload --strategy zero2 --batch 4 --steps 8 --option cpuOffloadOptimizer=true
     ;;
   checkpoint)
     arm trainer-fsdp2-ckpt 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt

@@ -31,13 +31,18 @@ def load_model_state(cfg: TrainerConfig, directory: Path) -> dict[str, torch.Ten
 def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str) -> Path:
     from safetensors.torch import save_file
 
-    state = load_model_state(cfg, resolve_step_dir(checkpoint))
+    directory = resolve_step_dir(checkpoint)
+    state = load_model_state(cfg, directory)
     # Tied embeddings share storage; safetensors stores each tensor once, so drop the alias.
     if cfg.model.preset != "llama-8b":
         state.pop("output.weight", None)
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_path))
+    # What the numbers are: always float32, from the most precise copy the checkpoint holds.
+    source = strategy_class(cfg.strategy.type).weights_source(directory)
+    metadata = {"dtype": "float32", "trained_in": cfg.precision, "strategy": cfg.strategy.type, "weights": source,
+                "checkpoint": directory.name}  # fmt: skip
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_path), metadata=metadata)
     return out_path
 
 

@@ -142,6 +142,11 @@ class FsdpStrategy:
     def rank_files(rank: int) -> str:
         return f"__{rank}_*.distcp"  # DCP's file system writer: one prefix per rank; `.metadata` is rank 0's
 
+    @staticmethod
+    def weights_source(directory: Path) -> str:
+        # FSDP2 keeps the sharded parameters in fp32 and casts a copy for compute (MixedPrecisionPolicy).
+        return "fp32 sharded parameters"
+
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp

@@ -44,6 +44,10 @@ class Strategy(Protocol):
         """Glob, relative to a step directory, of the files only `rank` writes in `save` (each rank flushes
         and checksums its own files at commit; rank 0 owns every file no rank's glob names)."""
 
+    @staticmethod
+    def weights_source(directory: Path) -> str:
+        """Where `full_model_state` takes the weights of this checkpoint from, for the export's metadata."""
+
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state from a checkpoint this strategy wrote, as float32 tensors, in

@@ -105,6 +105,8 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
                 last_loss = mean_over_ranks(loss, env)  # the only per-log synchronization
                 norm = None if grad_norm is None else float(grad_norm)
                 rec = meter.flush(step, last_loss, strategy.current_lr(), norm)
+                if cfg.precision == "fp16" and hasattr(strategy, "skipped_steps"):  # overflows under loss scaling
+                    rec["skipped_steps"] = strategy.skipped_steps
                 if env.is_main:
                     emit(rec)
                 report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])

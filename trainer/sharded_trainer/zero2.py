@@ -93,6 +93,11 @@ class Zero2Strategy:
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because fp16 gradients overflowed (dynamic loss scaling)."""
+        return int(getattr(self.engine, "skipped_steps", 0))
+
     def save(self, directory: Path, *, async_save: bool) -> object | None:
         # DeepSpeed's own format: it knows how its partitioned optimizer state is laid out.
         self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
@@ -111,11 +116,24 @@ class Zero2Strategy:
 
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
-        # ZeRO-2 does not partition parameters: rank 0's model-states file holds every module weight, in
-        # the training dtype (a bf16 run's weights there are bf16-rounded; the fp32 master copy is
-        # partitioned with the optimizer state).
+        # ZeRO-2 does not partition parameters: rank 0's model-states file holds every module weight, in the
+        # training dtype. A bf16 or fp16 run's weights there are rounded; its fp32 master copy is partitioned
+        # with the optimizer state, and DeepSpeed's own consolidation reassembles it.
         files = sorted((directory / TAG).glob("mp_rank_00_model_states.pt"))
         if not files:
             raise FileNotFoundError(f"no DeepSpeed model states under {directory / TAG}")
         module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-        return {k: v.float() for k, v in module.items()}
+        state = {k: v.float() for k, v in module.items()}
+        if any(v.is_floating_point() and v.dtype != torch.float32 for v in module.values()):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            master = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
+            state.update({k: v.float() for k, v in master.items() if k in state})
+        return state
+
+    @staticmethod
+    def weights_source(directory: Path) -> str:
+        files = sorted((directory / TAG).glob("mp_rank_00_model_states.pt"))
+        module = torch.load(files[0], map_location="cpu", weights_only=False)["module"] if files else {}
+        rounded = any(v.is_floating_point() and v.dtype != torch.float32 for v in module.values())
+        return "fp32 master weights from the optimizer partitions" if rounded else "fp32 module weights"

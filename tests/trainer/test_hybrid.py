@@ -28,7 +28,8 @@ def test_hybrid_sharding_trains_as_full_sharding_does_and_its_checkpoints_load_u
     full = run_job(full_dir, full_cfg)
     hybrid = run_job(hybrid_dir, hybrid_cfg)
     assert full.returncodes == hybrid.returncodes == [0, 0], hybrid.output[-3000:]
-    assert "hybrid: 2 replicas x 2 shards" in hybrid.output and "full: 4 shards" in full.output
+    assert hybrid.event("layout")["layout"].startswith("hybrid: 2 replicas x 2 shards")
+    assert full.event("layout")["layout"].startswith("full: 4 shards")
     # Same data, same seed, same optimizer: only the order of the gradient reductions differs.
     for step, loss in full.losses().items():
         assert hybrid.losses()[step] == pytest.approx(loss, rel=1e-4), step

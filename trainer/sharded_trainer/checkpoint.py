@@ -251,7 +251,10 @@ class CheckpointManager:
             if not problems:
                 try:
                     strategy.load(directory)
-                except Exception as e:  # a checkpoint from before checksums, say: its load is its check
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as e:
+                    # A checkpoint from before checksums, say: its load is its check.
                     problems = [f"loading failed on rank {self.env.rank}: {type(e).__name__}: {e}"[:500]]
                 problems = self._gathered(problems)
                 dirty = dirty or bool(problems)

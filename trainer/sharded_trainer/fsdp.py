@@ -26,7 +26,9 @@ def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: tor
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[options.reduce_dtype])
     if param_dtype == torch.float32:
         mp = MixedPrecisionPolicy()
-    extra = {"offload_policy": CPUOffloadPolicy()} if options.cpu_offload else {}
+    # Pinned host memory needs a GPU; on a CPU-only run the offload has nowhere to move anything.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    extra = {"offload_policy": offload} if options.cpu_offload else {}
     sharded = wrap_blocks(model, activation_checkpointing=options.activation_checkpointing, compile=options.compile)
     for block in sharded:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)

@@ -59,6 +59,8 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
             step=info["step"], checkpoint={"step": info["step"], "path": info["path"]},
         )  # fmt: skip
 
+    if env.is_main:
+        emit({"event": "layout", "strategy": cfg.strategy.type, "layout": strategy.layout})
     ckpt = CheckpointManager(
         cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed, on_set_aside=set_aside,
         fingerprint=fingerprint(cfg, model, strategy, env),

@@ -109,6 +109,12 @@ class Zero2Strategy:
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
+        if self.cfg.strategy.zero2.cpu_offload_optimizer:
+            # A checkpoint written with torch's AdamW (offload switched on since): its parameter groups lack
+            # the key DeepSpeed's CPU Adam reads; the moments and the step carry over as they are.
+            inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+            for group in inner.param_groups:
+                group.setdefault("bias_correction", True)
 
     @staticmethod
     def rank_files(rank: int) -> str:

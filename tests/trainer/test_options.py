@@ -14,13 +14,22 @@ from sharded_trainer.checkpoint import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
 
-OPTIONS = [
-    ("fsdp", "strategy.fsdp.activationCheckpointing", 1e-5),
-    ("fsdp", "strategy.fsdp.cpuOffload", 1e-5),
-    ("zero2", "strategy.zero2.activationCheckpointing", 1e-5),
+OPTIONS = [  # (strategy, the options set, relative tolerance on the loss)
+    ("fsdp", {"strategy.fsdp.activationCheckpointing": True}, 1e-5),
+    ("fsdp", {"strategy.fsdp.cpuOffload": True}, 1e-5),
+    ("fsdp", {"strategy.fsdp.reshardAfterForward": False}, 1e-5),
+    ("zero2", {"strategy.zero2.activationCheckpointing": True}, 1e-5),
     # DeepSpeed's CPU Adam is its own kernel: the same update, not the same float rounding.
-    ("zero2", "strategy.zero2.cpuOffloadOptimizer", 1e-3),
+    ("zero2", {"strategy.zero2.cpuOffloadOptimizer": True}, 1e-3),
+    ("zero2", {"strategy.zero2.overlapComm": False, "strategy.zero2.contiguousGradients": False}, 1e-5),
+    # The smallest buckets the API allows: many reductions instead of one, the same sums.
+    ("zero2", {"strategy.zero2.reduceBucketSize": 1_000_000, "strategy.zero2.allgatherBucketSize": 1_000_000}, 1e-5),
 ]
+
+
+def option_id(option) -> str:
+    strategy, options, _ = option
+    return "-".join([strategy, *(f"{k.rsplit('.', 1)[1]}={v}" for k, v in options.items())])
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +44,12 @@ def plain(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("strategy,option,rel", OPTIONS, ids=[o[1].rsplit(".", 1)[1] + "-" + o[0] for o in OPTIONS])
-def test_an_option_trains_the_same_steps_and_resumes(plain, tmp_path, strategy, option, rel):
+@pytest.mark.parametrize("strategy,options,rel", OPTIONS, ids=[option_id(o) for o in OPTIONS])
+def test_an_option_trains_the_same_steps_and_resumes(plain, tmp_path, strategy, options, rel):
     plain_dir, plain_run = plain[strategy]
     (tmp_path / "ckpt").mkdir()
     shutil.copytree(step_dir(plain_dir / "ckpt", 10), step_dir(tmp_path / "ckpt", 10))
-    config = write_config(tmp_path, **{"strategy.type": strategy, option: True})
+    config = write_config(tmp_path, **{"strategy.type": strategy, **options})
     run = run_job(tmp_path, config)
     assert run.returncodes == [0, 0], run.output[-3000:]
     assert run.event("resumed")["step"] == 10

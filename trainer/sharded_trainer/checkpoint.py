@@ -17,6 +17,7 @@ tried: a torn or corrupt checkpoint never stops a job from resuming.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -131,8 +132,10 @@ class CheckpointManager:
             taken = [claim_generation(self.root) if env.is_main else None]
             dist.broadcast_object_list(taken, src=0)
             self.generation = int(taken[0])
-            if env.is_main:  # what a crash left behind: partial saves, removals interrupted half way
-                self._purge()
+            if env.is_main:  # what a crash left behind: removals interrupted half way, partial saves
+                # An older generation's save in progress is left alone here: its writer may be a live zombie
+                # that has yet to reach its fence, and a swept directory would crash it rather than fence it.
+                self._purge(sweep_writing=False)
 
     def _writing_dir(self, step: int) -> Path:
         assert self.root is not None
@@ -158,9 +161,10 @@ class CheckpointManager:
             (directory / "rng").mkdir(parents=True)
         dist.barrier()
         self._rank_files = strategy.rank_files
-        torch.save(torch.get_rng_state(), directory / rng_file(self.env.rank))
         async_save = self.cfg.async_save and not force and step != self.total_steps
-        future = strategy.save(directory, async_save=async_save)
+        with self._fenced_if_swept(step):
+            torch.save(torch.get_rng_state(), directory / rng_file(self.env.rank))
+            future = strategy.save(directory, async_save=async_save)
         state = {**trainer_state, "step": step, "world": self.env.world, "fingerprint": self.fingerprint}
         if future is None:
             self._commit(step, state)
@@ -173,24 +177,43 @@ class CheckpointManager:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        pending.future.result()
+        with self._fenced_if_swept(pending.step):
+            pending.future.result()
         self._commit(pending.step, pending.trainer_state)
+
+    @contextlib.contextmanager
+    def _fenced_if_swept(self, step: int):
+        """A save that fails while a newer generation has started on the claim was swept away by it (it
+        removes older generations' saves once it commits): that writer is fenced, not broken."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            assert self.root is not None
+            if (newest := newest_generation(self.root)) > self.generation:
+                raise self._fenced(newest, step) from e
+            raise
+
+    def _fenced(self, newest: int, step: int) -> Fenced:
+        return Fenced(
+            f"generation {newest} started on {self.root} after this writer's {self.generation}: "
+            f"the save of step {step} is not committed"
+        )
 
     def _commit(self, step: int, state: dict) -> None:
         assert self.root is not None and self._rank_files is not None
         writing, directory = self._writing_dir(step), step_dir(self.root, step)
-        if self.env.is_main:  # rank 0's own file, flushed and listed with the rest
-            _write_atomic(writing / TRAINER_STATE, json.dumps(state, indent=2).encode())
-        mine = flush_and_describe(writing, owned_files(writing, self.env.rank, self.env.world, self._rank_files))
+        with self._fenced_if_swept(step):
+            if self.env.is_main:  # rank 0's own file, flushed and listed with the rest
+                _write_atomic(writing / TRAINER_STATE, json.dumps(state, indent=2).encode())
+            mine = flush_and_describe(writing, owned_files(writing, self.env.rank, self.env.world, self._rank_files))
         described: list[dict | None] = [None] * self.env.world
         dist.all_gather_object(described, mine)  # also the barrier: every rank's files are on disk
         newest = [newest_generation(self.root) if self.env.is_main else None]
         dist.broadcast_object_list(newest, src=0)
         if int(newest[0]) > self.generation:
-            raise Fenced(
-                f"generation {newest[0]} started on {self.root} after this writer's {self.generation}: "
-                f"the save of step {step} is not committed"
-            )
+            raise self._fenced(int(newest[0]), step)
         committed_at = iso()
         if self.env.is_main:
             files = {name: entry for part in described for name, entry in (part or {}).items()}
@@ -207,8 +230,9 @@ class CheckpointManager:
         if self.on_commit:
             self.on_commit(self.last_committed)
 
-    def _purge(self) -> None:
-        """Keep the newest `keep_last` committed checkpoints; drop older ones and stale partial saves."""
+    def _purge(self, sweep_writing: bool = True) -> None:
+        """Keep the newest `keep_last` committed checkpoints; drop older ones, stale partial saves and (after
+        a commit, when `sweep_writing`) older generations' saves that never committed."""
         assert self.root is not None
         steps = committed_steps(self.root)
         keep = set(steps[-self.cfg.keep_last :])
@@ -216,7 +240,8 @@ class CheckpointManager:
         for d in self.root.iterdir():
             s = parse_step_dir(d.name)
             if s is None:
-                self._purge_writing(d)
+                if sweep_writing:
+                    self._purge_writing(d)
                 continue
             committed = is_committed(d)
             if committed and s not in keep:

@@ -74,12 +74,21 @@ def verify(directory: Path, files: dict[str, list[int]], share: Iterable[str]) -
     """What is wrong with the files of `share` against the marker's list (missing, size, checksum)."""
     problems = []
     for name in share:
+        entry = files[name]
+        # The marker is a file on a shared claim: a name leaving the directory or an entry that is not
+        # [size, crc32] makes the checkpoint unverifiable, never a crash or a read elsewhere.
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            problems.append(f"{name!r} is not a path inside the checkpoint")
+            continue
+        if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int for v in entry)):
+            problems.append(f"{name} has a malformed entry in the marker")
+            continue
         path = directory / name
         if not path.is_file():
             problems.append(f"{name} is missing")
             continue
         size, crc = checksum(path)
-        want_size, want_crc = files[name]
+        want_size, want_crc = entry
         if size != want_size:
             problems.append(f"{name} has {size} bytes, {want_size} were written")
         elif crc != want_crc:

@@ -9,6 +9,7 @@
 #   bench/run_h200.sh checkpoint   # checkpoint cost: raw write, sync, async, load (FSDP2); DeepSpeed (ZeRO-2)
 #   bench/run_h200.sh options-fsdp # each FSDP2 option next to the default at batch 4 (hybrid: 2 "nodes" of 1 GPU)
 #   bench/run_h200.sh options-zero2  # each ZeRO-2 option next to the default at batch 4 (fp16: loss scaling)
+#   bench/run_h200.sh options-1gpu # the options whose memory or compute acts on one GPU, next to the default
 #   bench/run_h200.sh eager        # eager pairs at BATCH (default 4) launched REPEAT times (default 2); FSDP2 profiled
 #   bench/run_h200.sh checkpoint fsdp   # several phases in one call, in that order
 # REPEAT=N launches each pair N times, swapping which side goes first; summarize.py takes medians.
@@ -71,6 +72,12 @@ trainer() {  # trainer LABEL ARGS...: a trainer arm with no reference counterpar
   local label="$1"
   shift
   arm "trainer-$label" 2 bench/bench_trainer.py --steps "$steps" "$@"
+}
+
+one_gpu() {  # one_gpu LABEL ARGS...: a trainer arm on one GPU (no communication to overlap or shrink)
+  local label="$1"
+  shift
+  arm "trainer-$label" 1 bench/bench_trainer.py --steps "$steps" "$@"
 }
 
 two_nodes() {  # two_nodes LABEL ARGS...: the trainer as 2 "nodes" of 1 GPU each (2 agents, c10d on loopback)
@@ -147,6 +154,18 @@ case "$phase" in
     trainer zero2-b4-actckpt --strategy zero2 --batch 4 --option activationCheckpointing=true
     trainer zero2-b4-fp16 --strategy zero2 --batch 4 --precision fp16
     trainer zero2-b4-offload --strategy zero2 --batch 4 --steps 8 --option cpuOffloadOptimizer=true
+    ;;
+  options-1gpu)  # memory and compute effects only: a world of 1 reduces nothing over a wire
+    one_gpu zero2-b4-1gpu --strategy zero2 --batch 4
+    one_gpu zero2-b4-1gpu-nocontiguous --strategy zero2 --batch 4 --option contiguousGradients=false
+    one_gpu zero2-b4-1gpu-nooverlap --strategy zero2 --batch 4 --option overlapComm=false
+    one_gpu zero2-b4-1gpu-smallbuckets --strategy zero2 --batch 4 --option reduceBucketSize=1000000 \
+      --option allgatherBucketSize=1000000
+    one_gpu zero2-b4-1gpu-compiled --strategy zero2 --batch 4 --compile
+    one_gpu fsdp2-b4-1gpu --strategy fsdp --batch 4
+    one_gpu fsdp2-b4-1gpu-noreshard --strategy fsdp --batch 4 --no-reshard
+    one_gpu fsdp2-b4-1gpu-reduce-bf16 --strategy fsdp --batch 4 --option reduceDtype=bf16
+    one_gpu fsdp2-b4-1gpu-compiled --strategy fsdp --batch 4 --compile
     ;;
   checkpoint)
     arm trainer-fsdp2-ckpt 2 bench/bench_trainer.py --strategy fsdp --ckpt /tmp/bench-ckpt

@@ -59,12 +59,13 @@ class Run:
 
 
 def start_agents(
-    config: Path, *, nodes: int = 2, procs: int = 2, script: list[str] | None = None, log_dir: Path
+    config: Path, *, nodes: int = 2, procs: int = 2, script: list[str] | None = None, log_dir: Path,
+    env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen]:
     """One `torchrun` per node, all meeting at a c10d rendezvous on localhost."""
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     target = script or ["-m", "sharded_trainer"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     agents = []
     for rank in range(nodes):
         cmd = [
@@ -95,7 +96,10 @@ def wait_agents(agents: list[subprocess.Popen], log_dir: Path, timeout: float = 
     return Run([a.returncode for a in agents], output)
 
 
-def run_job(directory: Path, config: Path, *, nodes: int = 2, procs: int = 2, script=None, timeout=300) -> Run:
+def run_job(
+    directory: Path, config: Path, *, nodes: int = 2, procs: int = 2, script=None, timeout=300, env=None
+) -> Run:
     log_dir = directory / f"logs-{uuid.uuid4().hex[:6]}"
     log_dir.mkdir(parents=True)
-    return wait_agents(start_agents(config, nodes=nodes, procs=procs, script=script, log_dir=log_dir), log_dir, timeout)
+    agents = start_agents(config, nodes=nodes, procs=procs, script=script, log_dir=log_dir, env=env)
+    return wait_agents(agents, log_dir, timeout)

@@ -9,16 +9,20 @@ import shutil
 
 import pytest
 
-from helpers.torchrun_jobs import run_job, write_config
+from helpers.torchrun_jobs import ROOT, run_job, write_config
 from sharded_trainer.checkpoint import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
+HELPERS = ROOT / "tests" / "helpers"
 
 OPTIONS = [  # (strategy, the options set, relative tolerance on the loss)
     ("fsdp", {"strategy.fsdp.activationCheckpointing": True}, 1e-5),
     ("fsdp", {"strategy.fsdp.cpuOffload": True}, 1e-5),
     ("fsdp", {"strategy.fsdp.reshardAfterForward": False}, 1e-5),
+    # Inductor fuses the block's element-wise ops: the same math, a different float rounding order.
+    ("fsdp", {"strategy.fsdp.compile": True}, 1e-4),
     ("zero2", {"strategy.zero2.activationCheckpointing": True}, 1e-5),
+    ("zero2", {"strategy.zero2.compile": True}, 1e-4),
     # DeepSpeed's CPU Adam is its own kernel: the same update, not the same float rounding.
     ("zero2", {"strategy.zero2.cpuOffloadOptimizer": True}, 1e-3),
     ("zero2", {"strategy.zero2.overlapComm": False, "strategy.zero2.contiguousGradients": False}, 1e-5),
@@ -50,11 +54,34 @@ def test_an_option_trains_the_same_steps_and_resumes(plain, tmp_path, strategy, 
     (tmp_path / "ckpt").mkdir()
     shutil.copytree(step_dir(plain_dir / "ckpt", 10), step_dir(tmp_path / "ckpt", 10))
     config = write_config(tmp_path, **{"strategy.type": strategy, **options})
-    run = run_job(tmp_path, config)
+    # Inductor writes the kernels it generates here: only a compiled run may leave any.
+    inductor = tmp_path / "inductor"
+    run = run_job(tmp_path, config, env={"TORCHINDUCTOR_CACHE_DIR": str(inductor)})
     assert run.returncodes == [0, 0], run.output[-3000:]
     assert run.event("resumed")["step"] == 10
     for step in range(11, 21):
         assert run.losses()[step] == pytest.approx(plain_run.losses()[step], rel=rel), step
+    assert committed_steps(tmp_path / "ckpt") == [10, 20]
+    compiled = any(key.endswith(".compile") for key in options)
+    assert any(inductor.rglob("*.py")) == compiled, sorted(inductor.rglob("*"))[:20]
+
+
+def test_gradients_reduced_in_bf16_travel_in_bf16_and_keep_the_trajectory(plain, tmp_path):
+    """`reduceDtype: bf16` under fp32 parameters: every reduce-scatter carries bf16 (half the bytes), and the
+    rounding of the summed gradients leaves the loss on the plain run's curve."""
+    plain_dir, plain_run = plain["fsdp"]
+    (tmp_path / "ckpt").mkdir()
+    shutil.copytree(step_dir(plain_dir / "ckpt", 10), step_dir(tmp_path / "ckpt", 10))
+    config = write_config(tmp_path, **{"strategy.fsdp.reduceDtype": "bf16"})
+    record = tmp_path / "reduce-dtypes"
+    script = [str(HELPERS / "record_reduce_dtype.py")]
+    run = run_job(tmp_path, config, script=script, env={"REDUCE_DTYPES": str(record)})
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    assert run.event("resumed")["step"] == 10
+    for step in range(11, 21):
+        assert run.losses()[step] == pytest.approx(plain_run.losses()[step], rel=1e-3), step
+    for rank in range(4):
+        assert (tmp_path / f"reduce-dtypes.{rank}").read_text().split() == ["torch.bfloat16"], rank
     assert committed_steps(tmp_path / "ckpt") == [10, 20]
 
 

@@ -88,7 +88,9 @@ class FsdpOptions(Model):
         "host reaches each block); more overlaps more communication at the cost of memory for gathered blocks.",
     )  # fmt: skip
     reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Dtype of gradient reduce-scatter; fp32 keeps reduction exact under bf16 params."
+        "fp32",
+        description="Dtype of the gradient reduce-scatter (and of the replicas' all-reduce under hybrid), at any "
+        "precision: bf16 halves the bytes on the wire and rounds the summed gradients, fp32 keeps the sum exact.",
     )
     shard: Literal["full", "hybrid"] = Field(
         "full",

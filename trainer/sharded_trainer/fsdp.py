@@ -23,9 +23,9 @@ def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: tor
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[options.reduce_dtype])
-    if param_dtype == torch.float32:
-        mp = MixedPrecisionPolicy()
+    # An fp32 run computes in its stored dtype (no cast), yet may still reduce gradients in bf16.
+    compute = None if param_dtype == torch.float32 else param_dtype
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[options.reduce_dtype])
     # Pinned host memory needs a GPU; on a CPU-only run the offload has nowhere to move anything.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     extra = {"offload_policy": offload} if options.cpu_offload else {}

@@ -55,7 +55,8 @@ def free_port(host: str = HOST) -> int:
 
 
 def _write_pki(pki: Path) -> None:
-    """A CA, the API server's serving cert, an admin client cert and the service-account key pair."""
+    """A CA, the API server's serving cert, an admin client cert, the service-account key pair, and the
+    node agent's kubelet serving cert with the API server's client cert towards it."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
@@ -130,6 +131,9 @@ def _write_pki(pki: Path) -> None:
 
     leaf("apiserver", name("kube-apiserver"), server=True)
     leaf("admin", name("admin", "system:masters"), server=False)
+    # The node agent's kubelet endpoint (container logs), and the API server's client identity towards it.
+    leaf("kubelet", name("local-kubelet"), server=True)
+    leaf("apiserver-kubelet-client", name("kube-apiserver-kubelet-client", "system:masters"), server=False)
     sa = key()
     write_key(sa, "sa.key")
     (pki / "sa.pub").write_bytes(
@@ -242,6 +246,10 @@ class LocalCluster:
                     f"--tls-cert-file={pki / 'apiserver.crt'}",
                     f"--tls-private-key-file={pki / 'apiserver.key'}",
                     f"--client-ca-file={pki / 'ca.crt'}",
+                    f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                    f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                    f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                    "--kubelet-preferred-address-types=InternalIP",
                     f"--service-account-key-file={pki / 'sa.pub'}",
                     f"--service-account-signing-key-file={pki / 'sa.key'}",
                     "--service-account-issuer=https://kubernetes.default.svc",

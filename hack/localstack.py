@@ -111,7 +111,9 @@ class LocalStack:
             self.cluster.start()
             install_crd(self.cluster.kubeconfig)
             names = [f"local-node-{i}" for i in range(self.nodes)]
-            self.agent = NodeAgent(str(self.cluster.kubeconfig), self.workdir / "nodeagent", names).start()
+            self.agent = NodeAgent(
+                str(self.cluster.kubeconfig), self.workdir / "nodeagent", names, pki=self.cluster.workdir / "pki"
+            ).start()
             self.operator = OperatorProcess(
                 self.cluster.kubeconfig, self.workdir / "operator.log", host=GATEWAY,
                 RESTART_GRACE_SECONDS="10", SUSPEND_GRACE_SECONDS="60", PROGRESS_WRITE_SECONDS="2",

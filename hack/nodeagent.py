@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubeletlogs import LogServer
+
 from sharded_operator.quantity import quantity_value
 
 BRIDGE = "shbr0"
@@ -80,7 +82,10 @@ class PodRun:
 class NodeAgent:
     """Runs the pods bound to `nodes` until stop(); see the module docstring."""
 
-    def __init__(self, kubeconfig: str, workdir: Path, nodes: list[str], cpu: str = "8", memory: str = "32Gi"):
+    def __init__(
+        self, kubeconfig: str, workdir: Path, nodes: list[str], cpu: str = "8", memory: str = "32Gi",
+        pki: Path | None = None,
+    ):  # fmt: skip
         from kubernetes import client, config
 
         if not can_isolate():
@@ -98,9 +103,14 @@ class NodeAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.python_bin = str(Path(sys.executable).parent)
+        # With the cluster's CA: serve the kubelet's log endpoint, so the API server can proxy `kubectl logs`.
+        self.pki = pki
+        self.logs: LogServer | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> NodeAgent:
+        if self.pki is not None:
+            self.logs = LogServer(self.pki, self._locate_log).start()
         self._setup_bridge()
         for name in self.nodes:
             self._register(name)
@@ -120,6 +130,18 @@ class NodeAgent:
             with contextlib.suppress(Exception):
                 self.api.delete_node(name)
         sh("ip", "link", "del", BRIDGE, check=False)
+        if self.logs:
+            self.logs.stop()
+
+    def _locate_log(self, namespace: str, name: str) -> tuple[Path, bool] | None:
+        """The newest run of pod `namespace/name` on this agent: its log file and whether it still runs."""
+        runs = [r for r in list(self.runs.values()) if (r.namespace, r.name) == (namespace, name)]
+        if runs:
+            run = runs[-1]
+            return run.workdir / "container.log", run.proc is not None and run.proc.poll() is None
+        logs = (self.workdir / "pods").glob(f"{namespace}_{name}_*/container.log")
+        done = sorted(logs, key=lambda p: p.stat().st_mtime)
+        return (done[-1], False) if done else None
 
     def _setup_bridge(self) -> None:
         if sh("ip", "link", "show", BRIDGE, check=False).returncode != 0:
@@ -155,7 +177,10 @@ class NodeAgent:
             "capacity": self.capacity,
             "allocatable": self.capacity,
             "conditions": conditions,
-            "addresses": [{"type": "InternalIP", "address": GATEWAY}, {"type": "Hostname", "address": name}],
+            # The API server reaches a node's kubelet (here: the log server) at its InternalIP and port.
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1" if self.logs else GATEWAY},
+                          {"type": "Hostname", "address": name}],
+            **({"daemonEndpoints": {"kubeletEndpoint": {"Port": self.logs.port}}} if self.logs else {}),
             "nodeInfo": {"kubeletVersion": "nodeagent", "operatingSystem": "linux", "architecture": "amd64",
                          "containerRuntimeVersion": "process", "kernelVersion": os.uname().release},
         }  # fmt: skip

@@ -47,7 +47,9 @@ else
 fi
 
 site="$("$deps_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-if [ ! -f .venv/.deps ] || [ "$(cat .venv/.deps)" != "$deps_venv" ]; then
+# The project's own entry points and packages come from pyproject.toml too: a change there re-links .venv.
+stamp="$deps_venv $(sha256sum pyproject.toml | cut -c1-12)"
+if [ ! -f .venv/.deps ] || [ "$(cat .venv/.deps)" != "$stamp" ]; then
   rm -rf .venv
   # No pip or setuptools of its own: the shared site's (newer) ones are found through the .pth below.
   "$python" -m venv --without-pip .venv
@@ -64,6 +66,6 @@ if [ ! -f .venv/.deps ] || [ "$(cat .venv/.deps)" != "$deps_venv" ]; then
       chmod +x ".venv/bin/$tool"
     fi
   done
-  echo "$deps_venv" > .venv/.deps
+  echo "$stamp" > .venv/.deps
 fi
 log "ready: $root/.venv"

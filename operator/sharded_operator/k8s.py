@@ -71,6 +71,38 @@ class Kube:
             raise
 
     @retrying
+    def list_jobs(self, namespace: str | None) -> list[dict[str, Any]]:
+        """Every job in `namespace`, or in the cluster when it is None."""
+        if namespace is None:
+            return self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+
+    def create_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Create a job as a user does (never retried: a second create of the same name is an error to show)."""
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+
+    @retrying
+    def patch_job_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": spec})
+
+    def pod_log_lines(self, namespace: str, pod: str, *, follow: bool, tail: int | None = None):
+        """The pod's container log through the API server (which asks the node's kubelet), line by line;
+        with `follow`, until the container ends."""
+        resp = self.core.read_namespaced_pod_log(
+            pod, namespace, follow=follow, tail_lines=tail, _preload_content=False
+        )  # fmt: skip
+        try:
+            pending = b""
+            for chunk in resp.stream(4096):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                yield from (line.decode(errors="replace") for line in lines)
+            if pending:
+                yield pending.decode(errors="replace")
+        finally:
+            resp.release_conn()
+
+    @retrying
     def host_ports_in_use(self) -> list[int | None]:
         """`status.hostPort` of every job in the cluster that has not finished."""
         jobs = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]

@@ -168,6 +168,9 @@ class ConditionType(StrEnum):
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    # True with Succeeded: the name batch Jobs and JobSet use, so `kubectl wait --for=condition=Complete`
+    # scripts written for them work unchanged.
+    COMPLETE = "Complete"
     CREATE_REFUSED = "CreateRefused"  # the API server refused a child (policy, quota, invalid object)
     PODS_STUCK = "PodsStuck"  # a pod could not be scheduled or started for schedulingTimeoutSeconds
 
@@ -181,7 +184,10 @@ class StatusModel(ApiModel):
 class Condition(StatusModel):
     """A Kubernetes-style condition."""
 
-    type: str = Field(..., description="Created, Running, Restarting, Succeeded, Failed or Suspended.")
+    type: str = Field(
+        ..., description="Created, Running, Restarting, Suspended, Succeeded (and Complete with it), Failed, "
+        "CreateRefused or PodsStuck.",
+    )  # fmt: skip
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field("", description="CamelCase reason for the last transition.")
     message: str = Field("", description="Human-readable detail.")

@@ -76,6 +76,8 @@ def set_phase(status: ShardedTrainingJobStatus, phase: Phase, reason: str, messa
     for cond in PHASE_CONDITIONS:
         on = cond.value == phase.value
         set_condition(status, cond, on, reason if on else "", message if on else "", now)
+    done = phase == Phase.SUCCEEDED
+    set_condition(status, ConditionType.COMPLETE, done, reason if done else "", message if done else "", now)
 
 
 def record_refusal(plan: Plan, refusal: tuple[str, str] | None, now: str) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -261,3 +262,34 @@ def test_a_checkpoint_damaged_while_suspended_is_set_aside_and_the_one_before_re
     assert "CheckpointSetAside" in jobs.event_reasons(name)
     aside = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "set_aside"' in line]
     assert aside and aside[0]["step"] == newest and "checksum" in aside[0]["reason"]
+
+
+def test_the_cli_submits_follows_every_nodes_log_and_kubectl_reads_logs_through_the_api_server(jobs, stack, tmp_path):
+    """`sharded` and `kubectl stj` (the same program as a kubectl plugin) as a user runs them, and the pods'
+    logs through the API server, which asks the node's kubelet (the node agent's log endpoint)."""
+    import yaml
+
+    name = "e2e-cli"
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(job(name, steps=20)))
+    path = f"{Path(sys.executable).parent}:{stack.cluster.bin_dir}:{os.environ['PATH']}"
+    env = {**os.environ, "KUBECONFIG": str(stack.cluster.kubeconfig), "PATH": path}
+
+    def run(*cmd: str) -> subprocess.CompletedProcess:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, (cmd, out.stdout[-2000:], out.stderr[-2000:])
+        return out
+
+    assert f"shardedtrainingjob/{name} created" in run("sharded", "submit", "-f", str(manifest)).stdout
+    run("kubectl", "stj", "wait", name, "--for", "condition=Running", "--timeout", "180s")
+    # Follows both pods from their first line until their trainers exit, each line tagged with its node.
+    lines = run("sharded", "logs", name, "--follow").stdout.splitlines()
+    assert {line.split(" ", 1)[0] for line in lines} == {"[node-0]", "[node-1]"}, lines[:5]
+    finished = [line for line in lines if line.startswith("[node-0] METRICS") and '"event": "finished"' in line]
+    assert len(finished) == 1 and json.loads(finished[0].split(" ", 2)[2])["step"] == 20
+    run("kubectl", "wait", f"stj/{name}", "--for=condition=Complete", "--timeout=60s")
+    # A finished pod's log stays readable, as the kubelet keeps an exited container's.
+    tail = run("kubectl", "logs", f"{name}-0", "--tail=200").stdout
+    assert '"event": "finished"' in tail and len(tail.splitlines()) <= 200
+    row = next(line.split() for line in run("kubectl", "stj", "list").stdout.splitlines() if line.startswith(name))
+    assert row[1] == "Succeeded" and row[4] == "20/20", row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
 import time
 import urllib.request
 
@@ -69,7 +70,14 @@ def gpu_job(nodes=2, gpus=4):
     return make_job("j").nodes(nodes).gpus(gpus).spec("failurePolicy.backoffLimit", 2)
 
 
-def test_job_runs_on_gpu_nodes_and_succeeds(ops, core):
+def kubectl_wait(cluster, ops, condition: str) -> subprocess.CompletedProcess:
+    """`kubectl wait` as users script it for Jobs and JobSets: it returns at once when the condition holds."""
+    cmd = [str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "-n", ops.ns, "wait",
+           f"--for=condition={condition}", "stj/j", "--timeout=20s"]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_job_runs_on_gpu_nodes_and_succeeds(ops, core, cluster):
     ops.create(gpu_job(nodes=3))
     pods = ops.wait_running_attempt(1, 3)
     for p in pods:
@@ -87,7 +95,9 @@ def test_job_runs_on_gpu_nodes_and_succeeds(ops, core):
     status = ops.wait_phase("Succeeded")
     assert status["completionTime"] and status["restarts"] == 0
     conds = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conds["Succeeded"] == "True" and conds["Running"] == "False"
+    assert conds["Succeeded"] == conds["Complete"] == "True" and conds["Running"] == "False"
+    waited = kubectl_wait(cluster, ops, "Complete")
+    assert waited.returncode == 0 and "condition met" in waited.stdout, waited.stderr
 
 
 def test_retryable_failure_restarts_the_whole_gang_as_a_new_attempt(ops):
@@ -231,11 +241,14 @@ def test_a_pod_the_api_server_refuses_shows_in_a_condition_and_one_event(ops, co
     assert not ops.pods() and (status["phase"], status["attempt"], status["restarts"]) == ("Pending", 1, 0), status
 
 
-def test_suspend_deletes_pods_and_resume_brings_them_back(ops):
+def test_suspend_deletes_pods_and_resume_brings_them_back(ops, cluster):
     ops.create(gpu_job())
     ops.wait_running_attempt(1, 2)
     ops.patch_spec({"runPolicy": {"suspend": True}})
+    waited = kubectl_wait(cluster, ops, "Suspended")
+    assert waited.returncode == 0 and "condition met" in waited.stdout, waited.stderr
     ops.wait_phase("Suspended")
+    assert {c["type"]: c["status"] for c in ops.status()["conditions"]}["Complete"] == "False"
     wait_for(lambda: not ops.pods(), timeout=30, what="pods deleted")
     ops.patch_spec({"runPolicy": {"suspend": False}})
     ops.wait_running_attempt(2, 2)

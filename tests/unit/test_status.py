@@ -45,6 +45,13 @@ def test_partially_running_is_starting_then_running():
 def test_all_pods_succeeded_is_success():
     plan = decide(running().model(), Observed(pods=pods(2, "Succeeded")), NOW, GRACE)
     assert plan.status.phase == "Succeeded" and plan.status.completion_time == iso(NOW)
+    conditions = {c.type: c.status for c in plan.status.conditions}
+    assert conditions["Succeeded"] == conditions["Complete"] == "True" and conditions["Running"] == "False"
+
+
+def test_complete_stays_false_until_success():
+    plan = decide(running().model(), Observed(pods=pods(2)), NOW, GRACE)
+    assert {c.type: c.status for c in plan.status.conditions}["Complete"] == "False"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,209 @@
+"""`sharded` (also `kubectl stj`): submit, list, get, wait for, suspend, resume and read the logs of jobs.
+
+    sharded submit -f job.yaml --wait Complete
+    sharded submit --name llama --nodes 4 --gpus-per-node 8 --strategy zero2 --set trainer.steps=1000
+    sharded list                      # progress at a glance: phase, ready nodes, step, loss, checkpoint
+    sharded get llama -o yaml
+    sharded wait llama --for condition=Complete --timeout 2h
+    sharded logs llama -f             # every node's pod, merged, each line prefixed with its node
+    sharded suspend llama; sharded resume llama
+
+Installed as `kubectl-stj` too, so kubectl finds it as a plugin (`kubectl stj list`); the kubeconfig is
+the caller's (KUBECONFIG or ~/.kube/config, or --kubeconfig).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+from typing import Any
+
+import yaml
+
+from sharded_operator.client import Client, Job, JobError
+from sharded_operator.models import GROUP, KIND, VERSION
+
+UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def duration(text: str) -> float:
+    """Seconds from `90`, `90s`, `15m` or `2h`."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is no duration: use e.g. 90s, 15m or 2h")
+    return float(m[1]) * UNITS[m[2] or "s"]
+
+
+def set_path(obj: dict[str, Any], path: str, value: Any) -> None:
+    """`trainer.model.preset=llama-1b` style: camelCase keys as in the manifest, values parsed as YAML."""
+    *parents, leaf = path.split(".")
+    for key in parents:
+        obj = obj.setdefault(key, {})
+        if not isinstance(obj, dict):
+            raise JobError(f"--set {path}: {key} is not a mapping in this manifest")
+    obj[leaf] = value
+
+
+def manifest(a: argparse.Namespace) -> dict[str, Any]:
+    if a.file:
+        with open(a.file) if a.file != "-" else sys.stdin as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        if len(docs) != 1:
+            raise JobError(f"{a.file}: expected one ShardedTrainingJob, found {len(docs)} documents")
+        body = docs[0]
+    else:
+        if not a.name:
+            raise JobError("submit needs -f FILE or --name (with the flags that describe the job)")
+        body = {"metadata": {}, "spec": {"nodes": a.nodes, "procsPerNode": a.procs_per_node}}
+        if a.gpus_per_node is not None:
+            body["spec"]["resources"] = {"gpusPerNode": a.gpus_per_node}
+        if a.image:
+            body["spec"]["image"] = a.image
+        if a.strategy:
+            body["spec"]["strategy"] = {"type": a.strategy}
+        if a.preset:
+            body["spec"]["trainer"] = {"model": {"preset": a.preset}}
+    body.setdefault("apiVersion", f"{GROUP}/{VERSION}")
+    body.setdefault("kind", KIND)
+    if a.name:
+        body.setdefault("metadata", {})["name"] = a.name
+    for item in a.set:
+        path, sep, value = item.partition("=")
+        if not sep:
+            raise JobError(f"--set {item}: use PATH=VALUE, e.g. trainer.steps=1000")
+        set_path(body.setdefault("spec", {}), path.removeprefix("spec."), yaml.safe_load(value))
+    return body
+
+
+def age(timestamp: str | None, now: dt.datetime) -> str:
+    if not timestamp:
+        return "-"
+    seconds = int((now - dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+def row(job: Job, now: dt.datetime, namespace: bool) -> list[str]:
+    s, progress = job.obj.status, job.obj.status.progress
+    step = "-" if progress is None else f"{progress.step}/{progress.total_steps or '?'}"
+    loss = "-" if progress is None or progress.loss is None else f"{progress.loss:.4g}"
+    cells = [job.name, str(s.phase or "-"), s.ready or f"0/{job.obj.spec.nodes}", job.obj.spec.strategy.type, step,
+             loss, str(s.restarts), str(s.last_checkpoint.step) if s.last_checkpoint else "-",
+             age(job.obj.metadata.get("creationTimestamp"), now)]  # fmt: skip
+    return [job.obj.metadata.get("namespace", "")] * namespace + cells
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows])
+
+
+def show(job: Job, output: str) -> str:
+    obj = job.obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if output == "json":
+        return json.dumps(obj, indent=2)
+    if output == "yaml":
+        return yaml.safe_dump(obj, sort_keys=False).rstrip()
+    s = job.obj.status
+    lines = [f"Name:        {job.name}", f"Phase:       {s.phase or '-'}  {s.message or ''}".rstrip(),
+             f"Nodes:       {s.ready or '-'} ready (attempt {s.attempt}, restarts {s.restarts}, "
+             f"disruptions {s.disruptions})"]  # fmt: skip
+    if s.progress:
+        p = s.progress
+        lines.append(f"Progress:    step {p.step}/{p.total_steps or '?'}, loss {p.loss}, {p.tokens_per_second} tok/s")
+    if s.last_checkpoint:
+        lines.append(f"Checkpoint:  step {s.last_checkpoint.step} at {s.last_checkpoint.path}")
+    if s.last_failure:
+        lines.append(f"Last failure: {s.last_failure.reason} {s.last_failure.message}".rstrip())
+    lines.append("Conditions:")
+    lines += [f"  {c.type:<14} {c.status:<6} {c.reason}" for c in s.conditions]
+    return "\n".join(lines)
+
+
+def run(a: argparse.Namespace) -> int:
+    jobs = Client.connect(kubeconfig=a.kubeconfig, namespace=a.namespace)
+    if a.command == "submit":
+        job = jobs.create(manifest(a))
+        print(f"shardedtrainingjob/{job.name} created")
+        if a.wait:
+            job = jobs.wait(job.name, condition=a.wait, timeout=a.timeout)
+            print(f"shardedtrainingjob/{job.name} condition met: {a.wait}")
+    elif a.command == "list":
+        now = dt.datetime.now(dt.UTC)
+        header = ["NAME", "PHASE", "READY", "STRATEGY", "STEP", "LOSS", "RESTARTS", "CHECKPOINT", "AGE"]
+        header = ["NAMESPACE"] * a.all_namespaces + header
+        print(table([row(j, now, a.all_namespaces) for j in jobs.list(all_namespaces=a.all_namespaces)], header))
+    elif a.command == "get":
+        print(show(jobs.get(a.name), a.output))
+    elif a.command == "wait":
+        kind, _, value = a.for_.partition("=")
+        if kind not in ("condition", "phase") or not value:
+            raise JobError(f"--for {a.for_}: use condition=NAME or phase=NAME")
+        jobs.wait(a.name, timeout=a.timeout, **{kind: value})
+        print(f"shardedtrainingjob/{a.name} {kind} met: {value}")
+    elif a.command in ("suspend", "resume"):
+        getattr(jobs, a.command)(a.name)
+        print(f"shardedtrainingjob/{a.name} {'suspended' if a.command == 'suspend' else 'resumed'}")
+    elif a.command == "logs":
+        for node, line in jobs.logs(a.name, follow=a.follow, tail=a.tail):
+            print(f"[node-{node}] {line}", flush=True)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sharded", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: KUBECONFIG, then ~/.kube/config, then in-cluster)")
+    p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, else default)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("submit", help="create a job from a manifest or from flags")
+    s.add_argument("-f", "--file", help="manifest (YAML or JSON; - for stdin)")
+    s.add_argument("--name", help="job name (overrides the manifest's)")
+    s.add_argument("--image", help="trainer image")
+    s.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1)")
+    s.add_argument("--procs-per-node", type=int, default=1, help="processes per pod (default 1)")
+    s.add_argument("--gpus-per-node", type=int, help="GPUs per pod")
+    s.add_argument("--strategy", choices=["fsdp", "zero2"], help="sharding strategy")
+    s.add_argument("--preset", help="model preset of the bundled trainer")
+    s.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="any spec field, e.g. trainer.steps=1000 (repeatable)")  # fmt: skip
+    s.add_argument("--wait", metavar="CONDITION", help="then wait for this condition, e.g. Complete")
+    s.add_argument("--timeout", type=duration, default=3600, help="for --wait (default 1h)")
+    ls = sub.add_parser("list", help="jobs with their progress")
+    ls.add_argument("-A", "--all-namespaces", action="store_true")
+    g = sub.add_parser("get", help="one job: progress, checkpoint, conditions")
+    g.add_argument("name")
+    g.add_argument("-o", "--output", choices=["text", "yaml", "json"], default="text")
+    w = sub.add_parser("wait", help="until a condition is True or a phase is reached")
+    w.add_argument("name")
+    w.add_argument("--for", dest="for_", required=True, metavar="condition=NAME|phase=NAME")
+    w.add_argument("--timeout", type=duration, default=600, help="e.g. 90s, 15m, 2h (default 10m)")
+    for verb in ("suspend", "resume"):
+        sub.add_parser(verb, help=f"{verb} a job (its pods are deleted / recreated; checkpoints stay)").add_argument(
+            "name"
+        )
+    lg = sub.add_parser("logs", help="every node's log of the current attempt, merged, prefixed by node")
+    lg.add_argument("name")
+    lg.add_argument("-f", "--follow", action="store_true")
+    lg.add_argument("--tail", type=int, help="lines from the end of each pod's log")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        return run(a)
+    except (JobError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""A typed Python client for ShardedTrainingJobs, on the same pydantic models the operator serves.
+
+    from sharded_operator.client import Client
+    jobs = Client.connect(namespace="team-a")
+    job = jobs.create(manifest)                       # a dict or a ShardedTrainingJob
+    jobs.wait(job.name, condition="Complete", timeout=3600)
+    for node, line in jobs.logs(job.name, follow=True):
+        print(node, line)
+
+Every call goes through the API server with the caller's own credentials (kubeconfig or in-cluster).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+
+from sharded_operator.k8s import Kube
+from sharded_operator.models import (
+    FINISHED,
+    GROUP,
+    KIND,
+    LABEL_ATTEMPT,
+    LABEL_INDEX,
+    VERSION,
+    Phase,
+    ShardedTrainingJob,
+)
+
+POLL_SECONDS = 1.0
+
+
+class JobError(RuntimeError):
+    """A request the API server refused, or a wait that cannot succeed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as read now: the validated object plus the few things every caller asks for."""
+
+    obj: ShardedTrainingJob
+
+    @property
+    def name(self) -> str:
+        return self.obj.metadata["name"]
+
+    @property
+    def phase(self) -> Phase | None:
+        return self.obj.status.phase
+
+    def condition(self, type_: str) -> str | None:
+        """"True", "False" or "Unknown"; None when the operator has not set it (yet)."""
+        return next((c.status for c in self.obj.status.conditions if c.type == type_), None)
+
+
+def _api_error(e: ApiException, what: str) -> JobError:
+    """The API server's own message (it names the field for a schema or CEL rejection)."""
+    import json
+
+    try:
+        message = json.loads(e.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        message = e.reason
+    return JobError(f"{what}: {message}")
+
+
+class Client:
+    """Create, read, wait for, suspend/resume and read the logs of ShardedTrainingJobs in one namespace."""
+
+    def __init__(self, kube: Kube, namespace: str):
+        self.kube, self.namespace = kube, namespace
+
+    @classmethod
+    def connect(cls, *, kubeconfig: str | None = None, namespace: str | None = None) -> Client:
+        from kubernetes import config
+
+        kube = Kube.connect(kubeconfig)
+        if namespace is None:
+            try:
+                _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+                namespace = active["context"].get("namespace")
+            except (config.ConfigException, OSError, TypeError, KeyError):
+                namespace = None
+        return cls(kube, namespace or "default")
+
+    def create(self, job: dict[str, Any] | ShardedTrainingJob) -> Job:
+        body = job.model_dump(by_alias=True, exclude={"status"}) if isinstance(job, ShardedTrainingJob) else job
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, **body}
+        try:
+            return Job(ShardedTrainingJob.model_validate(self.kube.create_job(self.namespace, body)))
+        except ApiException as e:
+            raise _api_error(e, f"creating {body.get('metadata', {}).get('name', '?')}") from e
+
+    def get(self, name: str) -> Job:
+        obj = self.kube.get_job(self.namespace, name)
+        if obj is None:
+            raise JobError(f"no ShardedTrainingJob {name!r} in namespace {self.namespace!r}")
+        return Job(ShardedTrainingJob.model_validate(obj))
+
+    def list(self, *, all_namespaces: bool = False) -> list[Job]:
+        items = self.kube.list_jobs(None if all_namespaces else self.namespace)
+        return [Job(ShardedTrainingJob.model_validate(o)) for o in items]
+
+    def suspend(self, name: str) -> Job:
+        return self._patch(name, {"runPolicy": {"suspend": True}})
+
+    def resume(self, name: str) -> Job:
+        return self._patch(name, {"runPolicy": {"suspend": False}})
+
+    def _patch(self, name: str, spec: dict[str, Any]) -> Job:
+        try:
+            return Job(ShardedTrainingJob.model_validate(self.kube.patch_job_spec(self.namespace, name, spec)))
+        except ApiException as e:
+            raise _api_error(e, f"updating {name}") from e
+
+    def wait(
+        self, name: str, *, condition: str | None = None, phase: str | None = None, timeout: float = 600
+    ) -> Job:
+        """Until the condition is True or the job reaches the phase. A job that ends another way (Failed
+        while waiting for Complete, say) raises at once instead of running out the clock."""
+        if (condition is None) == (phase is None):
+            raise ValueError("wait for exactly one of condition= or phase=")
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get(name)
+            if (condition and job.condition(condition) == "True") or (phase and job.phase == phase):
+                return job
+            if job.phase in FINISHED:
+                raise JobError(f"{name} ended {job.phase}: {job.obj.status.message or ''}".rstrip(": "))
+            if time.monotonic() > deadline:
+                want = f"condition {condition}" if condition else f"phase {phase}"
+                raise TimeoutError(f"{name}: no {want} within {timeout:g} s (phase {job.phase})")
+            time.sleep(POLL_SECONDS)
+
+    def logs(self, name: str, *, follow: bool = False, tail: int | None = None) -> Iterator[tuple[int, str]]:
+        """(node rank, line) from every pod of the current attempt, merged as they arrive. Each pod's log
+        holds its torchrun agent and the ranks it runs (prefixed by torchrun where the image sets --tee)."""
+        attempt = str(self.get(name).obj.status.attempt)
+        pods = sorted(
+            (p for p in self.kube.list_job_pods(self.namespace, name)
+             if p["metadata"]["labels"].get(LABEL_ATTEMPT) == attempt and p["status"].get("phase") != "Pending"),
+            key=lambda p: int(p["metadata"]["labels"][LABEL_INDEX]),
+        )  # fmt: skip
+        if not pods:
+            return
+        lines: queue.Queue[tuple[int, str] | None] = queue.Queue(maxsize=10_000)
+
+        def pump(pod: dict[str, Any]) -> None:
+            node = int(pod["metadata"]["labels"][LABEL_INDEX])
+            try:
+                for line in self.kube.pod_log_lines(self.namespace, pod["metadata"]["name"], follow=follow, tail=tail):
+                    lines.put((node, line))
+            except ApiException as e:
+                lines.put((node, f"(log unavailable: {_api_error(e, pod['metadata']['name'])})"))
+            finally:
+                lines.put(None)
+
+        for pod in pods:
+            threading.Thread(target=pump, args=(pod,), daemon=True).start()
+        open_streams = len(pods)
+        while open_streams:
+            item = lines.get()
+            if item is None:
+                open_streams -= 1
+            else:
+                yield item

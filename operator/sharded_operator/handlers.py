@@ -84,7 +84,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.watching.server_timeout = 300
     settings.peering.standalone = True
-    ctx = memo.ctx = Context(settings=cfg, kube=Kube.connect())
+    ctx = memo.ctx = Context(settings=cfg, kube=Kube.connect(), metrics=web.Metrics(cfg.metrics_max_jobs))
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)
     desk = ProgressDesk(ctx.kube, cfg, ctx.metrics)

@@ -203,6 +203,7 @@ class ProgressDesk:
                 return False
             desk.report, desk.written_at = None, self.clock()
             written = ShardedTrainingJobStatus.model_validate({**(job.get("status") or {}), **fields})
+            self.metrics.jobs.update(report.uid, report.namespace, report.name, written)
             desk.cursor = (report.attempt, report.run, acknowledged(written, report))
             for type_, reason, message in events:
                 await self._run(self.kube.event, job, type_, reason, message)

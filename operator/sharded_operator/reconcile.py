@@ -53,6 +53,7 @@ class Context:
         self.missing.pop(f"{namespace}/{name}", None)
         self.known.discard((namespace, name))
         self.metrics.observe_phase(uid, None)
+        self.metrics.jobs.forget(uid)
 
 
 def adopt(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
@@ -153,6 +154,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         if plan.status.phase in FINISHED and before.phase != plan.status.phase:
             ctx.metrics.finished.labels(plan.status.phase).inc()
         ctx.metrics.observe_phase(uid, plan.status.phase)
+        ctx.metrics.jobs.update(uid, namespace, name, plan.status)
         if plan.delete_job:
             logger.info("ttlSecondsAfterFinished reached: deleting the job")
             ctx.kube.delete_job(namespace, name)

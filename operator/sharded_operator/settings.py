@@ -77,6 +77,11 @@ class OperatorSettings(BaseModel):
         "ephemeral range (32768-60999 by default) so no connection's local port takes it.",
     )  # fmt: skip
     pod_uid: int = Field(1000, ge=1, le=2**31 - 1, description="UID and GID training pods run as (the image's user).")
+    metrics_max_jobs: int = Field(
+        1000, ge=0, le=100_000,
+        description="Jobs whose training metrics (step, loss, tokens/s, checkpoint age...) are exported per job; past "
+        "it a finished job's series give way, and live jobs beyond it are counted, not exported.",
+    )  # fmt: skip
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 
     @field_validator("namespaces", "forbid_pod_overrides", "ignore_namespaces", mode="before")

@@ -10,15 +10,19 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from sharded_operator.jobmetrics import JobSeries
 from sharded_operator.models import Phase
 from sharded_trainer.contract import MAX_REPORT_BYTES
 
 
 class Metrics:
-    """Counters and histograms of the operator, in their own registry (no process-global state)."""
+    """Counters and histograms of the operator, and each job's training metrics (`jobmetrics`), in their own
+    registry (no process-global state)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_jobs: int = 1000) -> None:
         self.registry = CollectorRegistry()
+        self.jobs = JobSeries(max_jobs)
+        self.registry.register(self.jobs)
         self.jobs_by_phase = Gauge("sharded_jobs", "ShardedTrainingJobs by phase", ["phase"], registry=self.registry)
         self.restarts = Counter("sharded_job_restarts_total", "Gang restarts", ["namespace"], registry=self.registry)
         self.failures = Counter(
@@ -39,17 +43,19 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         self._phases: dict[str, str] = {}
+        for p in Phase:
+            self.jobs_by_phase.labels(p.value).set(0)
 
     def observe_phase(self, uid: str, phase: str | None) -> None:
-        if phase is None:
-            self._phases.pop(uid, None)
-        else:
+        """O(1): the job leaves its old phase's count and joins the new one's."""
+        old = self._phases.pop(uid, None) if phase is None else self._phases.get(uid)
+        if old == phase:
+            return
+        if old is not None:
+            self.jobs_by_phase.labels(old).dec()
+        if phase is not None:
             self._phases[uid] = phase
-        counts: dict[str, int] = {}
-        for p in self._phases.values():
-            counts[p] = counts.get(p, 0) + 1
-        for p in Phase:
-            self.jobs_by_phase.labels(p.value).set(counts.get(p, 0))
+            self.jobs_by_phase.labels(phase).inc()
 
 
 class Health:

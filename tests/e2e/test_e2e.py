@@ -293,3 +293,16 @@ def test_the_cli_submits_follows_every_nodes_log_and_kubectl_reads_logs_through_
     assert '"event": "finished"' in tail and len(tail.splitlines()) <= 200
     row = next(line.split() for line in run("kubectl", "stj", "list").stdout.splitlines() if line.startswith(name))
     assert row[1] == "Succeeded" and row[4] == "20/20", row
+    # The operator exports the job's training metrics, from the progress the trainer reported.
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{stack.operator.url}/metrics", timeout=5) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    ours = {(s.name, s.labels.get("phase")): s.value for f in families for s in f.samples
+            if s.labels.get("job_name") == name and s.labels.get("namespace") == NS}  # fmt: skip
+    assert ours[("sharded_training_step", None)] == 20 and ours[("sharded_training_total_steps", None)] == 20
+    assert ours[("sharded_training_checkpoint_step", None)] == 20 and ours[("sharded_training_loss", None)] > 0
+    assert 0 <= ours[("sharded_training_checkpoint_age_seconds", None)] < 300
+    assert ours[("sharded_training_phase", "Succeeded")] == 1 and ours[("sharded_training_phase", "Running")] == 0

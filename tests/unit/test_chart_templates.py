@@ -91,6 +91,7 @@ def test_service_monitor_and_replicas_electing_through_a_lease(helm):
     docs = render(helm, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom")
     sm = find(docs, "ServiceMonitor")[0]
     assert sm["metadata"]["labels"]["release"] == "prom" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert sm["spec"]["endpoints"][0]["honorLabels"]  # the job's namespace label, not the operator pod's
     docs = render(helm, "replicaCount=2")
     env = env_of(docs)
     assert env["SHARDED_OPERATOR_LEASE_NAME"] == "op-sharded-training-operator"
@@ -149,3 +150,33 @@ def test_bad_values_are_refused(helm, bad, message):
     with pytest.raises(subprocess.CalledProcessError) as exc:
         render(helm, bad)
     assert message in exc.value.stderr
+
+
+def test_the_dashboard_and_alerts_query_only_series_the_operator_exports(helm):
+    """Every metric name and label the dashboard and the alert rules use is one the operator exports."""
+    import json
+    import re
+
+    from sharded_operator.jobmetrics import LABELS, METRIC_NAMES
+
+    assert not find(render(helm), "PrometheusRule") and not find(render(helm), "ConfigMap")
+    docs = render(helm, "metrics.prometheusRule.enabled=true", "metrics.prometheusRule.labels.release=prom",
+                  "metrics.prometheusRule.hungMinutes=30", "metrics.dashboard.enabled=true",
+                  "metrics.dashboard.namespace=monitoring", "metrics.maxJobs=50")  # fmt: skip
+    assert env_of(docs)["SHARDED_OPERATOR_METRICS_MAX_JOBS"] == "50"
+    [rule] = find(docs, "PrometheusRule", "ops")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(alerts) == {f"ShardedTraining{a}" for a in ("JobHung", "CheckpointStale", "RestartsClimbing")}
+    assert "[30m]" in alerts["ShardedTrainingJobHung"]["expr"]
+    [board] = find(docs, "ConfigMap", "monitoring")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(board["data"]["sharded-training.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    exprs += [r["expr"] for r in alerts.values()]
+    used = {m for e in exprs for m in re.findall(r"\bsharded_[a-z_]+", e)}
+    assert used and used <= set(METRIC_NAMES), used - set(METRIC_NAMES)
+    labels = {m for e in exprs for m in re.findall(r"([a-z_]+)\s*(?:=~|!=|=)\s*\"", e)}
+    labels |= {m for e in exprs for m in re.findall(r"on\(([^)]*)\)", e) for m in m.replace(" ", "").split(",")}
+    assert labels <= {*LABELS, "phase"}, labels

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, get_origin
 
 from pydantic import BaseModel
 
@@ -23,8 +23,9 @@ def models_in_job() -> list[tuple[str, type[BaseModel]]]:
         found.append((path, model))
         for name, info in model.model_fields.items():
             sub = model_of(info.annotation)
-            if sub is not None:
-                visit(f"{path}.{info.alias or name}".lstrip("."), sub)
+            if sub is not None:  # a list of models is marked `[]`: an example is then the list's one element
+                many = "[]" if get_origin(info.annotation) is list else ""
+                visit(f"{path}.{info.alias or name}{many}".lstrip("."), sub)
 
     visit("", ShardedTrainingJob)
     return found
@@ -35,7 +36,7 @@ def merged(base: dict, path: str, example: dict) -> dict:
     out = copy.deepcopy(base)
     node = out
     for part in filter(None, path.split(".")):
-        node = node.setdefault(part, {})
+        node = node.setdefault(part[:-2], [{}])[0] if part.endswith("[]") else node.setdefault(part, {})
 
     def merge(into: dict, changes: dict) -> None:
         for k, v in changes.items():

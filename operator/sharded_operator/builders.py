@@ -25,6 +25,7 @@ from sharded_operator.models import (
 )
 from sharded_operator.quantity import quantity_value
 from sharded_operator.settings import OperatorSettings
+from sharded_operator.spec import ExtraContainer
 from sharded_trainer.config import CheckpointConfig, TrainerConfig
 from sharded_trainer.contract import CONTRACT_VERSION, PROGRESS_TOKEN_DIR, PROGRESS_TOKEN_FILE, PodEnv
 
@@ -267,8 +268,27 @@ def _resources(job: ShardedTrainingJob) -> dict[str, Any]:
     ib = job.spec.network.infiniband
     if ib.enabled:
         amounts[ib.resource_name] = str(ib.resource_count)
-    # Requests equal limits: extended resources require it, and training wants Guaranteed QoS.
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    # Requests equal limits unless the spec raises a limit: extended resources require it, and training wants
+    # Guaranteed QoS by default.
+    limits = dict(amounts)
+    if r.cpu_limit is not None:
+        limits["cpu"] = str(r.cpu_limit)
+    if r.memory_limit is not None:
+        limits["memory"] = str(r.memory_limit)
+    return {"requests": amounts, "limits": limits} if limits else {}
+
+
+def _extra_container(c: ExtraContainer) -> dict[str, Any]:
+    """An added container as the user wrote it, with the trainer's restricted securityContext unless it sets one."""
+    out = c.model_dump(by_alias=True, exclude_none=True)
+    out.setdefault("securityContext", _restricted({"drop": ["ALL"]}))
+    return out
+
+
+def _restricted(capabilities: dict[str, list[str]]) -> dict[str, Any]:
+    """A container securityContext that Pod Security `restricted` admits (with `capabilities` as given)."""
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities, "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
 
 
 def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSettings) -> dict[str, Any]:
@@ -336,10 +356,11 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
     caps: dict[str, list[str]] = {"drop": ["ALL"]}
     if s.network.infiniband.enabled:
         caps["add"] = ["IPC_LOCK"]
-    container["securityContext"] = {
-        "allowPrivilegeEscalation": False, "capabilities": caps, "runAsNonRoot": True,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }  # fmt: skip
+    container["securityContext"] = _restricted(caps)
+    init = [_extra_container(c) for c in s.pod.init_containers]
+    # Native sidecars (init containers that keep running): started before the trainer, stopped after it, so
+    # the pod completes when training does.
+    init += [{**_extra_container(c), "restartPolicy": "Always"} for c in s.pod.sidecars]
 
     spec: dict[str, Any] = {
         "hostname": pod_name(job, index),
@@ -368,6 +389,9 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
         "priorityClassName": sched.priority_class_name,
         "schedulerName": scheduler_name,
         "serviceAccountName": s.pod.service_account_name,
+        "runtimeClassName": s.pod.runtime_class_name,
+        "imagePullSecrets": [{"name": n} for n in s.pod.image_pull_secrets],
+        "initContainers": init,
     }
     spec.update({k: v for k, v in optional.items() if v})
     return {

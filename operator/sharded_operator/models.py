@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field
 
 from sharded_operator.spec import (
     PROCS_SCHEMA,
+    TRAINER_CONTAINER,
     ApiModel,
     Checkpoint,
     Elastic,
@@ -44,7 +45,7 @@ LABEL_INDEX = f"{GROUP}/node-index"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 # On the checkpoint claim, which outlives its job when retained: the UID of the job that created it.
 ANNOTATION_CREATED_BY = f"{GROUP}/created-by-uid"
-CONTAINER = "trainer"  # the trainer's container in every pod
+CONTAINER = TRAINER_CONTAINER  # the trainer's container in every pod
 # Pods are named <job>-<index> and double as hostnames (63-character DNS labels); PVCs <job>-checkpoints.
 MAX_NAME_LENGTH = 50
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"

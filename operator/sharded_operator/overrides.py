@@ -21,6 +21,11 @@ RISKY: dict[str, tuple[str, Callable[[ShardedTrainingJobSpec], bool]]] = {
     "serviceAccountName": ("spec.pod.serviceAccountName", lambda s: s.pod.service_account_name is not None),
     "secretEnv": ("spec.pod.env", lambda s: any("secretKeyRef" in (e.value_from or {}) for e in s.pod.env)),
     "labels": ("spec.pod.labels", lambda s: bool(s.pod.labels)),
+    # Without one, an added container gets the trainer's restricted securityContext; its own can ask for more.
+    "containerSecurityContext": (
+        "spec.pod.initContainers/sidecars",
+        lambda s: any("securityContext" in (c.model_extra or {}) for c in [*s.pod.init_containers, *s.pod.sidecars]),
+    ),
 }
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from sharded_operator.quantity import is_quantity
+from sharded_operator.quantity import is_quantity, quantity_value
 from sharded_trainer.cel import At, Each, Has
 from sharded_trainer.config import CheckpointPolicy, Model
 from sharded_trainer.contract import RESERVED_ENV, RESERVED_ENV_PREFIX, ExitCode, PodEnv
@@ -55,15 +55,41 @@ class ApiModel(Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
+def _limit_rule(resource: str) -> dict[str, str]:
+    """limit >= request, in CEL. quantity() is compared only on plain decimal forms: CEL's quantity arithmetic on
+    an admissible exponent such as 1e9999999999 runs until the request times out. The operator checks any form."""
+    limit, plain = f"{resource}Limit", "'^[0-9]+([.][0-9]+)?[a-zA-Z]{0,2}$'"
+    return {
+        "rule": f"!has(self.{limit}) || !has(self.{resource}) || !string(self.{resource}).matches({plain}) || "
+        f"!string(self.{limit}).matches({plain}) || "
+        f"quantity(string(self.{limit})).compareTo(quantity(string(self.{resource}))) >= 0",
+        "message": f"{limit} must be at least {resource} (the request)",
+    }
+
+
 class Resources(ApiModel):
     """Per-pod compute resources (one pod per node)."""
+
+    raw_rules = (_limit_rule("cpu"), _limit_rule("memory"))
 
     gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs requested by each pod; 0 runs on CPU with gloo.")
     gpu_resource_name: str = Field(
         "nvidia.com/gpu", max_length=253, description="Extended resource name of a GPU on your nodes."
     )
-    cpu: Quantity | None = _quantity_field("CPU request and limit of each pod, e.g. 32 or 1500m.")
-    memory: Quantity | None = _quantity_field("Memory request and limit of each pod, e.g. 512Gi.")
+    cpu: Quantity | None = _quantity_field("CPU request of each pod (its limit too, unless cpuLimit), e.g. 32, 1500m.")
+    memory: Quantity | None = _quantity_field("Memory request of each pod (its limit too unless memoryLimit): 8Gi.")
+    cpu_limit: Quantity | None = _quantity_field(
+        "CPU limit above the request (Burstable QoS): the pods may use idle CPU, e.g. for data loading. Unset: the "
+        "limit is the request (Guaranteed QoS, what training usually wants)."
+    )
+    memory_limit: Quantity | None = _quantity_field("Memory limit above the request. Unset: the request.")
+
+    @model_validator(mode="after")
+    def _limits_cover_requests(self) -> Resources:
+        for name, request, limit in (("cpu", self.cpu, self.cpu_limit), ("memory", self.memory, self.memory_limit)):
+            if request is not None and limit is not None and quantity_value(limit) < quantity_value(request):
+                raise ValueError(f"{name}Limit must be at least {name} (the request)")
+        return self
 
 
 class InfiniBand(ApiModel):
@@ -268,6 +294,26 @@ class EnvVar(ApiModel):
     value_from: dict[str, Any] | None = Field(None, description="A core/v1 EnvVarSource.")
 
 
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+TRAINER_CONTAINER = "trainer"
+
+
+class ExtraContainer(ApiModel):
+    """A core/v1 Container added to the pods; the fields named here are checked, the rest passed on as written."""
+
+    model_config = ConfigDict(extra="allow")
+    rules = (
+        Rule(
+            "name", f"must not be {TRAINER_CONTAINER}: that is the training container's name",
+            At("name").ne(TRAINER_CONTAINER),
+            good=({"name": "fetch", "image": "busybox"},), bad=({"name": TRAINER_CONTAINER, "image": "busybox"},),
+        ),
+    )  # fmt: skip
+
+    name: str = Field(..., max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Container name.")
+    image: str = Field(..., min_length=1, max_length=1024, description="Container image.")
+
+
 class PodOverrides(ApiModel):
     """Additions to every pod of the job."""
 
@@ -299,6 +345,23 @@ class PodOverrides(ApiModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Image pull policy of the trainer container."
     )
+    image_pull_secrets: list[Annotated[str, Field(max_length=253)]] = Field(
+        default_factory=list, max_length=16, description="Secrets (names, in the job's namespace) for pulling images."
+    )
+    runtime_class_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN, description="RuntimeClass of the pods, e.g. nvidia."
+    )
+    init_containers: list[ExtraContainer] = Field(
+        default_factory=list, max_length=8,
+        description="core/v1 Containers run to completion before the trainer starts (e.g. fetching data). They get "
+        "the trainer's restricted securityContext unless they set their own.",
+    )  # fmt: skip
+    sidecars: list[ExtraContainer] = Field(
+        default_factory=list, max_length=8,
+        description="core/v1 Containers running beside the trainer (e.g. a log shipper), as native sidecars: they "
+        "start first and are stopped when the trainer ends, so the pod still completes. Restricted securityContext "
+        "unless they set their own.",
+    )  # fmt: skip
 
 
 # An int-or-string field: the schema cannot type it, so CEL does what the pydantic type does.

@@ -66,6 +66,9 @@ RISKY = {
     "spec.pod.serviceAccountName": ("pod.serviceAccountName", "admin"),
     "spec.pod.env": ("pod.env", [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
     "spec.pod.labels": ("pod.labels", {"app": "payments"}),
+    "spec.pod.initContainers/sidecars": (
+        "pod.sidecars", [{"name": "ship", "image": "busybox", "securityContext": {"privileged": True}}]
+    ),
 }
 
 

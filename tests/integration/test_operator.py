@@ -444,3 +444,31 @@ def test_two_host_network_jobs_share_nodes_each_on_a_port_of_its_own(ops, core):
         for pod in pods:
             [port] = pod.spec.containers[0].ports
             assert port.host_port == port.container_port == ports[name] and pod.spec.host_network
+
+
+def test_added_containers_pull_secrets_runtime_class_and_limits_reach_pods_the_api_server_accepts(ops, api_client):
+    """What the builder writes is a valid pod to the real API server (native sidecars, a RuntimeClass that the
+    RuntimeClass admission plugin resolves, limits above requests)."""
+    from kubernetes import client
+
+    node = client.NodeV1Api(api_client)
+    try:
+        node.create_runtime_class({"metadata": {"name": "gpu-runtime"}, "handler": "nvidia"})
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    ops.create(
+        gpu_job()
+        .spec("resources.cpu", "2").spec("resources.cpuLimit", "4").spec("resources.memory", "4Gi")
+        .spec("pod.imagePullSecrets", ["regcred"]).spec("pod.runtimeClassName", "gpu-runtime")
+        .spec("pod.initContainers", [{"name": "fetch", "image": "busybox", "command": ["true"]}])
+        .spec("pod.sidecars", [{"name": "ship", "image": "fluent-bit"}])
+    )
+    pods = ops.wait_running_attempt(1, 2)
+    spec = pods[0].spec
+    assert [c.name for c in spec.init_containers] == ["fetch", "ship"]
+    assert spec.init_containers[1].restart_policy == "Always" and spec.init_containers[0].restart_policy is None
+    assert spec.runtime_class_name == "gpu-runtime" and spec.image_pull_secrets[0].name == "regcred"
+    trainer = spec.containers[0].resources
+    assert (trainer.requests["cpu"], trainer.limits["cpu"], trainer.limits["memory"]) == ("2", "4", "4Gi")
+    assert pods[0].status.qos_class == "Burstable"

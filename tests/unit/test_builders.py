@@ -251,3 +251,34 @@ def test_the_operator_can_refuse_each_risky_pod_override_for_everyone(name, path
     if name == "hostNetwork":  # the InfiniBand profile may need it
         ib = make_job().gpus(8).spec(path, value).spec("network.infiniband", {"enabled": True}).model().spec
         assert forbidden(ib, [name]) is None
+
+
+def test_requests_and_limits_may_differ_and_a_limit_below_its_request_is_refused():
+    job = make_job().spec("resources", {"cpu": 8, "cpuLimit": 16, "memory": "32Gi", "memoryLimit": "48Gi"}).model()
+    res = builders.build_pod(job, 0, 1, SETTINGS)["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"cpu": "8", "memory": "32Gi"} and res["limits"] == {"cpu": "16", "memory": "48Gi"}
+    same = builders.build_pod(make_job().spec("resources", {"cpu": 8}).model(), 0, 1, SETTINGS)
+    assert same["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "8"}, "limits": {"cpu": "8"}}
+    with pytest.raises(ValueError, match="memoryLimit must be at least memory"):
+        make_job().spec("resources", {"memory": "2e12", "memoryLimit": "999Gi"}).model()  # any form, in Python
+
+
+def test_pull_secrets_runtime_class_init_containers_and_native_sidecars():
+    job = (
+        make_job()
+        .spec("pod.imagePullSecrets", ["regcred"])
+        .spec("pod.runtimeClassName", "nvidia")
+        .spec("pod.initContainers", [{"name": "fetch", "image": "busybox", "command": ["sh", "-c", "true"]}])
+        .spec("pod.sidecars", [{"name": "ship", "image": "fluent-bit", "securityContext": {"runAsUser": 0}}])
+        .model()
+    )
+    spec = builders.build_pod(job, 0, 1, SETTINGS)["spec"]
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["runtimeClassName"] == "nvidia"
+    fetch, ship = spec["initContainers"]
+    # Passed on as written, with the trainer's restricted securityContext unless it brings its own.
+    assert fetch["command"] == ["sh", "-c", "true"] and "restartPolicy" not in fetch
+    assert fetch["securityContext"] == spec["containers"][0]["securityContext"]
+    assert ship["restartPolicy"] == "Always" and ship["securityContext"] == {"runAsUser": 0}
+    assert [c["name"] for c in spec["containers"]] == ["trainer"]
+    plain = builders.build_pod(make_job().model(), 0, 1, SETTINGS)["spec"]
+    assert not {"initContainers", "imagePullSecrets", "runtimeClassName"} & set(plain)

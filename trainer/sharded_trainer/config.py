@@ -196,7 +196,8 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     """One line per problem: `field.path: message (got value)`."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        # list positions as the API server writes them: spec.pod.sidecars[0].image
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
         violation = (e.get("ctx") or {}).get("error")
         if isinstance(violation, RuleViolation):  # each rule names its own field under the model's
             lines += [f"{prefix}{'.'.join(p for p in (loc, r.field) if p)}: {r.message}" for r in violation.broken]

@@ -94,18 +94,23 @@ class RuleViolation(ValueError):
 def _schema_rules(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     """pydantic's json_schema_extra hook: the class's rules become its CEL validations."""
     validations = [r.to_cel(cls) for r in getattr(cls, "rules", ())] + list(getattr(cls, "transition_rules", ()))
+    validations += list(getattr(cls, "raw_rules", ()))
     if validations:
         schema.setdefault("x-kubernetes-validations", []).extend(validations)
+    if cls.model_config.get("extra") == "allow":  # an object modelled in part (a core/v1 Container): keep the rest
+        schema["x-kubernetes-preserve-unknown-fields"] = True
 
 
 class Ruled(BaseModel):
     """A model whose `rules` land in its JSON schema as CEL and are checked after validation in Python.
 
-    `transition_rules` (CEL dicts using `oldSelf`) go to the schema only: Python never sees the old object.
+    `transition_rules` (CEL dicts using `oldSelf`) go to the schema only: Python never sees the old object;
+    `raw_rules` (CEL dicts the expression language cannot write) too, each with its own check in Python.
     """
 
     model_config = ConfigDict(json_schema_extra=_schema_rules)
     rules: ClassVar[tuple[Rule, ...]] = ()
+    raw_rules: ClassVar[tuple[dict[str, str], ...]] = ()
 
     @model_validator(mode="after")
     def _check_rules(self):

@@ -35,7 +35,7 @@ lint: setup binaries
 
 crds: setup
 	@$(PY) -m sharded_operator.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml
-	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/crds/
+	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/files/crds/
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
 
 test: setup binaries lint

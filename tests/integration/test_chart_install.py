@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,39 @@ def test_the_same_identity_cannot_read_secrets_or_other_namespaces(release, tmp_
     with pytest.raises(ApiException) as exc:
         read(core)
     assert exc.value.status == 403
+
+
+def test_helm_upgrade_upgrades_the_crd_and_uninstall_keeps_it_with_the_jobs(release, tmp_path):
+    """The CRD is a template: a newer chart's CRD reaches the API server on `helm upgrade` (a crds/ folder
+    would be skipped), and `helm uninstall` leaves it, and so every job, in place. Runs last in this module."""
+    import shutil
+
+    import yaml
+
+    newer = tmp_path / "chart"
+    shutil.copytree(CHART, newer)
+    [crd_file] = (newer / "files" / "crds").glob("*.yaml")
+    crd = yaml.safe_load(crd_file.read_text())
+    column = {"name": "Image", "type": "string", "jsonPath": ".spec.image", "priority": 1}
+    crd["spec"]["versions"][0]["additionalPrinterColumns"].append(column)
+    crd_file.write_text(yaml.safe_dump(crd, sort_keys=False))
+    helm(release, "upgrade", RELEASE, str(newer), "-n", NS, "--reuse-values", "--wait", "--timeout", "120s")
+    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{PLURAL}.{GROUP}"
+    live = release.api("GET", path)
+    assert column in live["spec"]["versions"][0]["additionalPrinterColumns"]
+    assert live["metadata"]["annotations"]["meta.helm.sh/release-name"] == RELEASE  # the release owns it
+
+    jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}"
+
+    def served_jobs():  # the API server answers 429 for a moment while it swaps in the updated CRD's storage
+        try:
+            return release.api("GET", jobs)["items"]
+        except urllib.error.HTTPError as e:
+            if e.code != 429:
+                raise
+            return None
+
+    assert wait_for(served_jobs, timeout=30, what="jobs served"), "an earlier test left a job to outlive the release"
+    helm(release, "uninstall", RELEASE, "-n", NS, "--wait")
+    assert release.api("GET", path)["metadata"]["name"] == f"{PLURAL}.{GROUP}"
+    assert wait_for(served_jobs, timeout=30, what="jobs served")

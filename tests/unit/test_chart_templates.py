@@ -47,7 +47,7 @@ def test_helm_lint_passes(helm):
 
 
 def test_chart_crd_is_the_generated_one():
-    assert (CHART / "crds" / CRD_FILE.name).read_text() == CRD_FILE.read_text(), "copy crds/ into the chart"
+    assert (CHART / "files" / "crds" / CRD_FILE.name).read_text() == CRD_FILE.read_text(), "run make crds"
 
 
 def test_defaults_are_cluster_wide_and_secure(helm):
@@ -180,3 +180,43 @@ def test_the_dashboard_and_alerts_query_only_series_the_operator_exports(helm):
     labels = {m for e in exprs for m in re.findall(r"([a-z_]+)\s*(?:=~|!=|=)\s*\"", e)}
     labels |= {m for e in exprs for m in re.findall(r"on\(([^)]*)\)", e) for m in m.replace(" ", "").split(",")}
     assert labels <= {*LABELS, "phase"}, labels
+
+
+def test_the_chart_follows_the_conventions_charts_are_written_with(helm):
+    docs = render(helm, "fullnameOverride=ops-operator", "podAnnotations.team=ml", "podLabels.tier=control",
+                  "extraEnv[0].name=HTTPS_PROXY", "extraEnv[0].value=http://proxy:3128",
+                  "extraVolumes[0].name=ca", "extraVolumes[0].configMap.name=corp-ca",
+                  "extraVolumeMounts[0].name=ca", "extraVolumeMounts[0].mountPath=/etc/ssl/corp",
+                  "livenessProbe.periodSeconds=60", "readinessProbe.failureThreshold=9",
+                  "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.namespace=monitoring",
+                  "metrics.serviceMonitor.relabelings[0].action=labeldrop",
+                  "metrics.serviceMonitor.relabelings[0].regex=pod", "global.imageRegistry=r.example.com")  # fmt: skip
+    [dep] = find(docs, "Deployment")
+    assert dep["metadata"]["name"] == "ops-operator"
+    pod = dep["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {"team": "ml"} and pod["metadata"]["labels"]["tier"] == "control"
+    container = pod["spec"]["containers"][0]
+    assert env_of(docs)["HTTPS_PROXY"] == "http://proxy:3128"
+    assert {"name": "ca", "configMap": {"name": "corp-ca"}} in pod["spec"]["volumes"]
+    assert {"name": "ca", "mountPath": "/etc/ssl/corp"} in container["volumeMounts"]
+    assert container["livenessProbe"]["periodSeconds"] == 60 and container["readinessProbe"]["failureThreshold"] == 9
+    [sm] = find(docs, "ServiceMonitor", "monitoring")
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ops"]}
+    assert sm["spec"]["endpoints"][0]["relabelings"] == [{"action": "labeldrop", "regex": "pod"}]
+    # A budget for the operator's own pods only: they carry its selector labels, training pods never do.
+    [pdb] = find(docs, "PodDisruptionBudget", "ops")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    named = render(helm, "nameOverride=trainops")
+    assert find(named, "Deployment")[0]["metadata"]["name"] == "op-trainops"
+
+
+def test_rbac_and_crds_can_be_left_to_the_cluster_admin(helm):
+    kinds = {d["kind"] for d in render(helm, "rbac.create=false", "crds.install=false")}
+    assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding", "CustomResourceDefinition"}
+    assert "Deployment" in kinds
+    [crd] = find(render(helm), "CustomResourceDefinition")
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # uninstall must not delete jobs
+    assert crd["spec"] == yaml.safe_load(CRD_FILE.read_text())["spec"]  # the generated CRD, whole
+    [crd] = find(render(helm, "crds.keep=false"), "CustomResourceDefinition")
+    assert "helm.sh/resource-policy" not in crd["metadata"]["annotations"]

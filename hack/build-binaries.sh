@@ -20,9 +20,9 @@ mkdir -p "$store" "$work" "$bin_dir"
 declare -A version=(
   [kube-apiserver]=$KUBERNETES_VERSION [kube-controller-manager]=$KUBERNETES_VERSION
   [kube-scheduler]=$KUBERNETES_VERSION [kubectl]=$KUBERNETES_VERSION [etcd]=$ETCD_VERSION
-  [kwok]=$KWOK_VERSION [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION
+  [kwok]=$KWOK_VERSION [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION [kueue]=$KUEUE_VERSION
 )
-order=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm actionlint)
+order=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm actionlint kueue)
 
 missing=0
 for b in "${order[@]}"; do
@@ -94,6 +94,17 @@ build kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok "-X sigs.k8s.io/kwok/pkg/c
 build helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 build actionlint github.com/rhysd/actionlint github.com/rhysd/actionlint/cmd/actionlint \
   "-X github.com/rhysd/actionlint.version=$ACTIONLINT_VERSION"
+build kueue sigs.k8s.io/kueue sigs.k8s.io/kueue/cmd/kueue
+# Kueue's CRDs and webhook manifests, from the same module version as the binary (hack/kueue.py applies them).
+kueue_config="$store/kueue-config@$KUEUE_VERSION"
+if [ ! -d "$kueue_config" ]; then
+  src="$(cd "$(wrapper sigs.k8s.io/kueue "$KUEUE_VERSION")" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+  mkdir -p "$kueue_config.tmp/crd" "$kueue_config.tmp/webhook"
+  cp "$src"/config/components/crd/bases/*.yaml "$kueue_config.tmp/crd/"
+  cp "$src/config/components/webhook/manifests.yaml" "$kueue_config.tmp/webhook/"
+  chmod -R u+w "$kueue_config.tmp" && mv "$kueue_config.tmp" "$kueue_config"
+fi
+ln -sfn "$kueue_config" "$bin_dir/kueue-config"
 
 [ "$missing" -eq 0 ] || log "all binaries ready"
 echo "$bin_dir"

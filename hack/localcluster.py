@@ -134,6 +134,7 @@ def _write_pki(pki: Path) -> None:
     # The node agent's kubelet endpoint (container logs), and the API server's client identity towards it.
     leaf("kubelet", name("local-kubelet"), server=True)
     leaf("apiserver-kubelet-client", name("kube-apiserver-kubelet-client", "system:masters"), server=False)
+    leaf("webhook", name("local-webhooks"), server=True)  # admission webhooks served on loopback (Kueue)
     sa = key()
     write_key(sa, "sa.key")
     (pki / "sa.pub").write_bytes(

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubeletlogs import LogServer
-
 from sharded_operator.quantity import quantity_value
 
 BRIDGE = "shbr0"

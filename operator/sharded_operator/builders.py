@@ -23,9 +23,17 @@ from sharded_operator.models import (
     LABEL_JOB,
     ShardedTrainingJob,
 )
+from sharded_operator.pods import (
+    KUEUE_GROUP,
+    KUEUE_GROUP_COUNT,
+    KUEUE_QUEUE,
+    extra_container,
+    kueue_group,
+    pod_security,
+    restricted,
+)
 from sharded_operator.quantity import quantity_value
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.spec import ExtraContainer
 from sharded_trainer.config import CheckpointConfig, TrainerConfig
 from sharded_trainer.contract import CONTRACT_VERSION, PROGRESS_TOKEN_DIR, PROGRESS_TOKEN_FILE, PodEnv
 
@@ -278,26 +286,17 @@ def _resources(job: ShardedTrainingJob) -> dict[str, Any]:
     return {"requests": amounts, "limits": limits} if limits else {}
 
 
-def _extra_container(c: ExtraContainer) -> dict[str, Any]:
-    """An added container as the user wrote it, with the trainer's restricted securityContext unless it sets one."""
-    out = c.model_dump(by_alias=True, exclude_none=True)
-    out.setdefault("securityContext", _restricted({"drop": ["ALL"]}))
-    return out
-
-
-def _restricted(capabilities: dict[str, list[str]]) -> dict[str, Any]:
-    """A container securityContext that Pod Security `restricted` admits (with `capabilities` as given)."""
-    return {"allowPrivilegeEscalation": False, "capabilities": capabilities, "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
-
-
 def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSettings) -> dict[str, Any]:
     s = job.spec
     labels = {**s.pod.labels, **job_labels(job), LABEL_INDEX: str(index), LABEL_ATTEMPT: str(attempt)}
     annotations = dict(s.pod.annotations)
     sched = s.scheduling
     if sched.queue_name:
-        labels["kueue.x-k8s.io/queue-name"] = sched.queue_name
+        # One Kueue workload per attempt (a pod group): Kueue admits all of its pods at once or none, and a
+        # restarted gang queues again as a new group.
+        labels[KUEUE_QUEUE] = sched.queue_name
+        labels[KUEUE_GROUP] = kueue_group(job, attempt)
+        annotations[KUEUE_GROUP_COUNT] = str(s.nodes)
     scheduler_name = sched.scheduler_name
     if sched.gang.enabled and sched.gang.provider == "volcano":
         annotations["scheduling.k8s.io/group-name"] = _name(job)
@@ -356,11 +355,11 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
     caps: dict[str, list[str]] = {"drop": ["ALL"]}
     if s.network.infiniband.enabled:
         caps["add"] = ["IPC_LOCK"]
-    container["securityContext"] = _restricted(caps)
-    init = [_extra_container(c) for c in s.pod.init_containers]
+    container["securityContext"] = restricted(caps)
+    init = [extra_container(c) for c in s.pod.init_containers]
     # Native sidecars (init containers that keep running): started before the trainer, stopped after it, so
     # the pod completes when training does.
-    init += [{**_extra_container(c), "restartPolicy": "Always"} for c in s.pod.sidecars]
+    init += [{**extra_container(c), "restartPolicy": "Always"} for c in s.pod.sidecars]
 
     spec: dict[str, Any] = {
         "hostname": pod_name(job, index),
@@ -372,13 +371,8 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
         "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": volumes,
-        # Non-root, and the claim writable through the group (fsGroup), as the trainer image's user.
-        "securityContext": {
-            "runAsNonRoot": True, "runAsUser": settings.pod_uid, "runAsGroup": settings.pod_uid,
-            "fsGroup": settings.pod_uid, "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-    }  # fmt: skip
+        "securityContext": pod_security(settings.pod_uid),
+    }
     if s.network.host_network:
         spec["hostNetwork"] = True
         spec["dnsPolicy"] = "ClusterFirstWithHostNet"

@@ -1,4 +1,4 @@
-"""`sharded` (also `kubectl stj`): submit, list, get, wait for, suspend, resume and read the logs of jobs.
+"""`sharded` (also `kubectl stj`): submit, list, get, wait for, suspend, resume, export and read the logs of jobs.
 
     sharded submit -f job.yaml --wait Complete
     sharded submit --name llama --nodes 4 --gpus-per-node 8 --strategy zero2 --set trainer.steps=1000
@@ -7,6 +7,7 @@
     sharded wait llama --for condition=Complete --timeout 2h
     sharded logs llama -f             # every node's pod, merged, each line prefixed with its node
     sharded suspend llama; sharded resume llama
+    sharded export llama --step 5000   # one safetensors file on the job's claim, from a sharded checkpoint
 
 Installed as `kubectl-stj` too, so kubectl finds it as a plugin (`kubectl stj list`); the kubeconfig is
 the caller's (KUBECONFIG or ~/.kube/config, or --kubeconfig).
@@ -149,6 +150,9 @@ def run(a: argparse.Namespace) -> int:
     elif a.command in ("suspend", "resume"):
         getattr(jobs, a.command)(a.name)
         print(f"shardedtrainingjob/{a.name} {'suspended' if a.command == 'suspend' else 'resumed'}")
+    elif a.command == "export":
+        step, where = jobs.export(a.name, step=a.step, timeout=a.timeout)
+        print(f"shardedtrainingjob/{a.name} checkpoint {step} exported to {where}")
     elif a.command == "logs":
         for node, line in jobs.logs(a.name, follow=a.follow, tail=a.tail):
             print(f"[node-{node}] {line}", flush=True)
@@ -187,6 +191,10 @@ def parser() -> argparse.ArgumentParser:
         sub.add_parser(verb, help=f"{verb} a job (its pods are deleted / recreated; checkpoints stay)").add_argument(
             "name"
         )
+    ex = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file on the job's claim")
+    ex.add_argument("name")
+    ex.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    ex.add_argument("--timeout", type=duration, default=1800, help="e.g. 30m (default 30m)")
     lg = sub.add_parser("logs", help="every node's log of the current attempt, merged, prefixed by node")
     lg.add_argument("name")
     lg.add_argument("-f", "--follow", action="store_true")

@@ -15,13 +15,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.client.rest import ApiException
 
-from sharded_operator.k8s import Kube
+from sharded_operator.exporting import ExportError, export_pod, location
+from sharded_operator.k8s import Kube, Refused
 from sharded_operator.models import (
     FINISHED,
     GROUP,
@@ -137,6 +139,38 @@ class Client:
                 want = f"condition {condition}" if condition else f"phase {phase}"
                 raise TimeoutError(f"{name}: no {want} within {timeout:g} s (phase {job.phase})")
             time.sleep(POLL_SECONDS)
+
+    def export(self, name: str, *, step: int | None = None, timeout: float = 1800) -> tuple[int, str]:
+        """Consolidate checkpoint `step` (default: the newest) into one safetensors file on the job's claim, in a
+        pod built from one of the job's training pods; returns (step, "claim:path"). The pod is deleted once
+        done, and kept (with its log) when it fails."""
+        job = self.get(name)
+        newest = job.obj.status.last_checkpoint
+        step = step if step is not None else (newest.step if newest else None)
+        if step is None:
+            raise JobError(f"{name} has no checkpoint yet")
+        pods = self.kube.list_job_pods(self.namespace, name)
+        current = [p for p in pods if p["metadata"]["labels"].get(LABEL_ATTEMPT) == str(job.obj.status.attempt)]
+        if not (current or pods):
+            raise JobError(f"no pod of {name} is left to take its image, config and claim from (cleanPodPolicy)")
+        try:
+            pod = export_pod(job.obj, (current or pods)[0], step, suffix=f"{step}-{uuid.uuid4().hex[:5]}")
+            self.kube.create(self.namespace, pod)
+        except (ExportError, Refused) as e:
+            raise JobError(f"exporting {name}: {e}") from e
+        pod_name = pod["metadata"]["name"]
+        deadline = time.monotonic() + timeout
+        while (phase := ((self.kube.get_pod(self.namespace, pod_name) or {}).get("status") or {}).get("phase")) not in (
+            "Succeeded", "Failed"
+        ):  # fmt: skip
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{pod_name}: not done within {timeout:g} s (phase {phase})")
+            time.sleep(POLL_SECONDS)
+        if phase == "Failed":
+            tail = "\n".join(list(self.kube.pod_log_lines(self.namespace, pod_name, follow=False, tail=20)))
+            raise JobError(f"export pod {pod_name} failed (kept for its log):\n{tail}")
+        self.kube.delete_pod(self.namespace, pod_name, None)
+        return step, location(pod, step)
 
     def logs(self, name: str, *, follow: bool = False, tail: int | None = None) -> Iterator[tuple[int, str]]:
         """(node rank, line) from every pod of the current attempt, merged as they arrive. Each pod's log

@@ -82,6 +82,12 @@ SPEC_RULES = (
     ),
     *(r.rebased({"precision": "trainer.precision"}) for r in TrainerConfig.rules),
     Rule(
+        "trainer.tensorboard", "needs spec.checkpoint: the event files are written next to the checkpoints",
+        At("trainer.tensorboard").implies(Has("checkpoint")),
+        good=({"trainer": {"tensorboard": True}, "checkpoint": {"volumeClaim": {"size": "1Gi"}}},),
+        bad=({"trainer": {"tensorboard": True}, "checkpoint": None},),
+    ),
+    Rule(
         "scheduling.gang.enabled", "gang scheduling cannot be combined with elastic: a gang has a fixed size",
         At("scheduling.gang.enabled").implies(~Has("elastic")),
         good=({"scheduling": {"gang": {"enabled": True}}},),

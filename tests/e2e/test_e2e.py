@@ -293,6 +293,14 @@ def test_the_cli_submits_follows_every_nodes_log_and_kubectl_reads_logs_through_
     assert '"event": "finished"' in tail and len(tail.splitlines()) <= 200
     row = next(line.split() for line in run("kubectl", "stj", "list").stdout.splitlines() if line.startswith(name))
     assert row[1] == "Succeeded" and row[4] == "20/20", row
+    # One safetensors file from the sharded checkpoint of step 10, written on the claim by an export pod.
+    out = run("sharded", "export", name, "--step", "10").stdout
+    assert f"checkpoint 10 exported to {name}-checkpoints:{name}/exports/step-00000010.safetensors" in out, out
+    from safetensors import safe_open
+
+    exported = stack.claim_dir(NS, f"{name}-checkpoints") / name / "exports" / "step-00000010.safetensors"
+    with safe_open(str(exported), "pt") as f:
+        assert f.metadata()["checkpoint"] == "step-00000010" and len(list(f.keys())) > 5
     # The operator exports the job's training metrics, from the progress the trainer reported.
     import urllib.request
 

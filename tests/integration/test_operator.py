@@ -52,7 +52,14 @@ class Ops:
             ok = len(pods) == nodes and all(p.status.phase == "Running" for p in pods)
             return ok and self.status(name).get("phase") == "Running" and pods
 
-        return wait_for(ready, timeout=timeout, what=f"attempt {attempt} running")
+        try:
+            return wait_for(ready, timeout=timeout, what=f"attempt {attempt} running")
+        except BaseException:  # say what the pods and the job were doing
+            seen = [(p.metadata.name, p.metadata.labels.get(LABEL_ATTEMPT), p.status.phase, p.spec.node_name,
+                     [(c.type, c.status, c.reason, c.message) for c in p.status.conditions or []])
+                    for p in self.pods(name)]  # fmt: skip
+            print(f"pods: {seen}\njob status: {self.status(name)}")
+            raise
 
     def exit(self, pod: str, code: int, reason: str | None = None) -> None:
         ann = {"kwok.sharded.dev/exit-code": str(code)}

@@ -30,7 +30,7 @@ def weights_at(tmp, config, step) -> dict[str, torch.Tensor]:
 def reference(request, tmp_path_factory):
     """An uninterrupted 2x2 run of 20 steps per strategy, checkpointing at 10 and 20."""
     tmp = tmp_path_factory.mktemp(f"ref-{request.param}")
-    config = write_config(tmp, **{"strategy.type": request.param})
+    config = write_config(tmp, **{"strategy.type": request.param, "tensorboard": True})
     run = run_job(tmp, config)
     assert run.returncodes == [0, 0], run.output[-3000:]
     return request.param, tmp, config, run
@@ -43,6 +43,20 @@ def test_loss_falls_on_the_learnable_task(reference):
     last = sum(losses[s] for s in (18, 19, 20)) / 3
     # Chance is ln(256) = 5.5; knowing only the 64-token alphabet gives ln(64) = 4.2.
     assert losses[1] > 5.0 and last < 3.5, losses
+
+
+def test_tensorboard_event_files_hold_every_logged_scalar(reference):
+    from helpers.tfevents import crc32c, events
+
+    assert crc32c(b"123456789") == 0xE3069283  # the reader's CRC-32C against the standard check value
+    _, tmp, _, run = reference
+    [path] = (tmp / "ckpt" / "tensorboard").glob("events.out.tfevents.*")  # rank 0 only, one file per start
+    first, *logged = events(path)
+    assert first["file_version"] == "brain.Event:2"
+    assert [e["step"] for e in logged] == list(range(1, 21))
+    for e in logged:
+        assert set(e["scalars"]) == {"loss", "lr", "grad_norm", "tokens_per_s"}  # no MFU without a GPU
+        assert e["scalars"]["loss"] == pytest.approx(run.losses()[e["step"]], rel=1e-6)
 
 
 def test_checkpoints_are_committed_with_a_marker_and_all_state(reference):

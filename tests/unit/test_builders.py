@@ -134,6 +134,9 @@ def test_scheduling_knobs_kueue_and_volcano_gang():
     assert pod["spec"]["priorityClassName"] == "high"
     assert pod["spec"]["schedulerName"] == "volcano"
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    # The gang is one Kueue workload: a pod group per attempt, with the count Kueue waits for.
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"].startswith(f"{job.metadata['name']}-")
+    assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == str(job.spec.nodes)
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "j"
     group = builders.build_pod_group(job)
     assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1" and group["spec"]["minMember"] == 4
@@ -282,3 +285,28 @@ def test_pull_secrets_runtime_class_init_containers_and_native_sidecars():
     assert [c["name"] for c in spec["containers"]] == ["trainer"]
     plain = builders.build_pod(make_job().model(), 0, 1, SETTINGS)["spec"]
     assert not {"initContainers", "imagePullSecrets", "runtimeClassName"} & set(plain)
+
+
+def test_an_export_pod_is_a_training_pod_without_devices_or_rendezvous():
+    from sharded_operator.exporting import LABEL_EXPORT, ExportError, export_pod, location
+
+    job = make_job("llm", "team").nodes(2).gpus(8).spec("checkpoint", {"volumeClaim": {"size": "1Ti"}}).spec(
+        "resources.memory", "64Gi").spec("scheduling.nodeSelector", {"pool": "h200"}).model()  # fmt: skip
+    training = builders.build_pod(job, 0, 3, SETTINGS)
+    pod = export_pod(job, training, 40, suffix="40-abcde")
+    [c] = pod["spec"]["containers"]
+    root = job.spec.checkpoint.mount_path
+    assert c["command"][:4] == ["python", "-m", "sharded_trainer", "export"]
+    assert c["command"][c["command"].index("--checkpoint") + 1] == f"{root}/step-00000040"
+    assert c["command"][c["command"].index("--out") + 1] == f"{root}/exports/step-00000040.safetensors"
+    assert c["resources"] == {"requests": {"memory": "64Gi"}, "limits": {"memory": "64Gi"}}  # no GPU
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {"trainer-config", "checkpoints"}
+    assert pod["spec"]["securityContext"] == training["spec"]["securityContext"]
+    assert pod["spec"]["nodeSelector"] == {"pool": "h200"} and "hostname" not in pod["spec"]
+    # Never one of the job's training pods to the operator, yet garbage-collected with the job.
+    assert builders.LABEL_JOB not in pod["metadata"]["labels"] and pod["metadata"]["labels"][LABEL_EXPORT] == "llm"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == job.metadata["uid"]
+    assert location(pod, 40) == "llm-checkpoints:llm/exports/step-00000040.safetensors"
+    bare = make_job("bare").model()
+    with pytest.raises(ExportError, match="no checkpoint storage"):
+        export_pod(bare, builders.build_pod(bare, 0, 1, SETTINGS), 10, suffix="x")

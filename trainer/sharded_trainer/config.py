@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from sharded_trainer.cel import At, Has
@@ -138,6 +138,11 @@ class TrainingSpec(Model):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     seed: int = Field(0, description="Seed of parameter initialisation.")
     log_every: int = Field(10, ge=1, description="Emit a metrics line every this many steps.")
+    tensorboard: bool = Field(
+        False,
+        description="Rank 0 also writes TensorBoard event files (loss, lr, grad norm, tokens/s, MFU every logEvery "
+        "steps) into tensorboard/ next to the checkpoints.",
+    )
 
 
 class CheckpointPolicy(Model):
@@ -186,6 +191,12 @@ class TrainerConfig(TrainingSpec):
         description="Rank 0 rewrites this JSON file with its latest progress, for local runs and tools; in a pod, "
         "progress reaches the operator over HTTP instead.",
     )
+
+    @model_validator(mode="after")
+    def _tensorboard_has_a_place(self) -> TrainerConfig:
+        if self.tensorboard and not self.checkpoint.dir:
+            raise ValueError("tensorboard needs checkpoint.dir: the event files are written next to the checkpoints")
+        return self
 
 
 class ConfigError(ValueError):

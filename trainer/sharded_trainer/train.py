@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from sharded_trainer.parallel import mean_over_ranks
 from sharded_trainer.process_group import DistEnv, any_true
 from sharded_trainer.reporting import ProgressReporter, ReportTarget
 from sharded_trainer.strategies import build_strategy
+from sharded_trainer.tensorboard import EventWriter
 
 
 class StopRequest:
@@ -93,6 +95,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         )  # fmt: skip
     report.update(step=step, last_checkpoint=ckpt.last_committed)
     meter = Meter(args, cfg.seq_len, env.device, env.world)
+    board = EventWriter(Path(cfg.checkpoint.dir) / "tensorboard") if cfg.tensorboard and env.is_main else None
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.seq_len
 
     # The stop vote travels over a CPU group so that it never waits for the GPU: steps stay queued.
@@ -111,6 +114,8 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
                     rec["skipped_steps"] = strategy.skipped_steps
                 if env.is_main:
                     emit(rec)
+                if board is not None:
+                    board.scalars(step, {k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")})
                 report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])
             preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
             state = {"data": loader.state_dict(), "loss": last_loss}
@@ -120,6 +125,9 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         if env.is_main:
             emit({"event": "fenced", "step": step, "reason": str(e)})
         return ExitCode.FENCED
+    finally:
+        if board is not None:
+            board.close()
     report.update(step=step, last_checkpoint=ckpt.last_committed)
     if env.is_main:
         emit({"event": "preempted" if preempted else "finished", "step": step, "checkpoint": ckpt.last_committed})

@@ -39,7 +39,7 @@ crds: setup
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
 
 test: setup binaries lint
-	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (real processes), one soak seed: ~23 min"
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (real processes), one soak seed: ~29 min"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
 
 SEEDS ?= $(or $(SEED),$(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done))

@@ -12,6 +12,7 @@ Every call goes through the API server with the caller's own credentials (kubeco
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -63,8 +64,6 @@ class Job:
 
 def _api_error(e: ApiException, what: str) -> JobError:
     """The API server's own message (it names the field for a schema or CEL rejection)."""
-    import json
-
     try:
         message = json.loads(e.body)["message"]
     except (TypeError, ValueError, KeyError):

@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 import localcluster
+from localstack import install_crd
 
 MANAGED_LABEL = "kueue-managed"
 METRICS_CERTS = "/etc/kueue/metrics/certs"
@@ -50,16 +51,8 @@ class LocalKueue:
 
     def start(self, timeout: float = 90) -> LocalKueue:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-        names = []
-        for crd in sorted((self.config_dir / "crd").glob("*.yaml")):
-            body = yaml.safe_load(crd.read_text())
-            self._apply(crds, body)
-            names.append(body["metadata"]["name"])
-        for name in names:  # Kueue's informers need every one of its kinds served
-            self._wait(lambda n=name: any(c["type"] == "Established" and c["status"] == "True"
-                                          for c in (self.cluster.api("GET", f"{crds}/{n}").get("status") or {})
-                                          .get("conditions") or []), 30, f"CRD {name} established")  # fmt: skip
+        for crd in sorted((self.config_dir / "crd").glob("*.yaml")):  # Kueue's informers need every kind served
+            install_crd(self.cluster.kubeconfig, yaml.safe_load(crd.read_text()))
         certs = self.workdir / "certs"
         certs.mkdir(exist_ok=True)
         pki = self.cluster.workdir / "pki"
@@ -109,14 +102,6 @@ class LocalKueue:
 
     def log(self) -> str:
         return (self.workdir / "kueue.log").read_text(errors="replace")
-
-    @staticmethod
-    def _wait(predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(what)
-            time.sleep(0.2)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

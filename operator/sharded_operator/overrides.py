@@ -26,7 +26,20 @@ RISKY: dict[str, tuple[str, Callable[[ShardedTrainingJobSpec], bool]]] = {
         "spec.pod.initContainers/sidecars",
         lambda s: any("securityContext" in (c.model_extra or {}) for c in [*s.pod.init_containers, *s.pod.sidecars]),
     ),
+    # An added container's own env is a second way to a Secret: the same check as spec.pod.env.
+    "containerSecretEnv": (
+        "spec.pod.initContainers/sidecars[].env",
+        lambda s: any(_reads_secrets(c.model_extra or {}) for c in [*s.pod.init_containers, *s.pod.sidecars]),
+    ),
 }
+
+
+def _reads_secrets(container: dict) -> bool:
+    """env valueFrom.secretKeyRef or envFrom secretRef in a core/v1 Container written as a dict."""
+    env, env_from = container.get("env") or [], container.get("envFrom") or []
+    return any(isinstance(e, dict) and "secretKeyRef" in (e.get("valueFrom") or {}) for e in env) or any(
+        isinstance(f, dict) and "secretRef" in f for f in env_from
+    )
 
 
 def forbidden(spec: ShardedTrainingJobSpec, forbid: list[str]) -> str | None:

@@ -69,8 +69,8 @@ class OperatorSettings(BaseModel):
     forbid_pod_overrides: list[str] = Field(
         default_factory=list,
         description="Pod overrides refused for every job (comma-separated): hostPath, hostNetwork, serviceAccountName, "
-        "secretEnv, labels, containerSecurityContext. For clusters without admission policies; the chart's policy "
-        "checks the submitter instead.",
+        "secretEnv, labels, containerSecurityContext, containerSecretEnv. For clusters without admission policies; "
+        "the chart's policy checks the submitter instead.",
     )
     host_port_range: str = Field(
         "29500-30499", pattern=r"^\d+-\d+$",
@@ -93,7 +93,8 @@ class OperatorSettings(BaseModel):
     @field_validator("forbid_pod_overrides")
     @classmethod
     def _known(cls, value):
-        allowed = {"hostPath", "hostNetwork", "serviceAccountName", "secretEnv", "labels", "containerSecurityContext"}
+        allowed = {"hostPath", "hostNetwork", "serviceAccountName", "secretEnv", "labels", "containerSecurityContext",
+                   "containerSecretEnv"}
         if unknown := set(value) - allowed:
             raise ValueError(f"unknown pod overrides {sorted(unknown)}; choose from {sorted(allowed)}")
         return value

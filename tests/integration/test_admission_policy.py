@@ -69,6 +69,9 @@ RISKY = {
     "spec.pod.initContainers/sidecars": (
         "pod.sidecars", [{"name": "ship", "image": "busybox", "securityContext": {"privileged": True}}]
     ),
+    "spec.pod.initContainers/sidecars[].env": (
+        "pod.initContainers", [{"name": "fetch", "image": "busybox", "envFrom": [{"secretRef": {"name": "db"}}]}]
+    ),
 }
 
 

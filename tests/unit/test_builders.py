@@ -243,6 +243,14 @@ def test_pods_prove_themselves_to_the_operator_with_a_projected_token_for_its_au
         ("secretEnv", "pod.env", [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
          "spec.pod.env"),
         ("labels", "pod.labels", {"app": "web"}, "spec.pod.labels"),
+        ("containerSecurityContext", "pod.sidecars", [{"name": "s", "image": "i", "securityContext": {}}],
+         "spec.pod.initContainers/sidecars"),
+        ("containerSecretEnv", "pod.initContainers",
+         [{"name": "s", "image": "i", "envFrom": [{"secretRef": {"name": "db"}}]}],
+         "spec.pod.initContainers/sidecars[].env"),
+        ("containerSecretEnv", "pod.sidecars",
+         [{"name": "s", "image": "i", "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}],  # noqa: E501
+         "spec.pod.initContainers/sidecars[].env"),
     ],
 )  # fmt: skip
 def test_the_operator_can_refuse_each_risky_pod_override_for_everyone(name, path, value, field):

@@ -4,16 +4,17 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.deps
 
-.PHONY: help setup binaries test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
+.PHONY: help lock setup binaries test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
 
 help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
 	@echo "make test    - install everything needed, then lint and run the whole test suite"
 	@echo "make crds    - regenerate crds/ from the pydantic models"
+	@echo "make lock    - re-resolve requirements/ (the locked dependency set) after editing pyproject.toml"
 	@echo "make soak    - the chaos soak for several seeds: make soak SEEDS=\"1 2 3\" or SEED=1 (default: 5 random ones)"
 	@echo "make cluster-up / cluster-down - a local control plane with KWOK GPU nodes, for kubectl"
 
-$(VENV_STAMP): pyproject.toml hack/setup-env.sh
+$(VENV_STAMP): pyproject.toml requirements/lock.txt hack/setup-env.sh hack/lock.py
 	@bash hack/setup-env.sh
 
 setup: $(VENV_STAMP)
@@ -32,6 +33,9 @@ lint: setup binaries
 	@BIN="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)"; \
 	  "$$BIN/actionlint" -shellcheck .venv/bin/shellcheck .github/workflows/*.yaml && \
 	  "$$BIN/helm" lint --quiet charts/sharded-training-operator
+
+lock:
+	@python3 hack/lock.py compile
 
 crds: setup
 	@$(PY) -m sharded_operator.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml

@@ -83,7 +83,7 @@ def job(name: str) -> dict:
         "kind": "ShardedTrainingJob",
         "metadata": {"name": name},
         "spec": {
-            "image": "sharded-training/trainer:0.1.0-cpu",
+            "image": "sharded-training/trainer:0.1.0",
             "nodes": 2,
             "procsPerNode": 2,
             "strategy": {"type": "fsdp"},

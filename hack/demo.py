@@ -3,6 +3,8 @@
 Starts the local control plane, a node agent that runs pods as real processes, and the operator;
 applies examples/quickstart-cpu.yaml (2 nodes x 2 processes, FSDP2, gloo); shows progress as it
 trains; prints the final status and the checkpoint tree. `--keep` leaves everything up for kubectl.
+`--containers` builds the operator and trainer images (hack/images.py) and runs each pod in a container
+of the trainer image, as uid 1000 with the claim's fsGroup, instead of as a process.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the cluster, agent and operator up afterwards")
     parser.add_argument("--example", default=str(ROOT / "examples" / "quickstart-cpu.yaml"))
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--containers", action="store_true", help="run the pods in containers of the trainer image")
     args = parser.parse_args(argv)
     if not can_isolate():
         say("the demo runs each pod in its own network namespace: run it as root with iproute2 (ip) installed")
@@ -56,10 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     workdir = ROOT / ".cluster"
     localcluster.stop_dir(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
-    say("starting the local control plane, 2 local nodes and the operator ...")
-    stack = LocalStack(workdir).start()
-    ok = False
     job = yaml.safe_load(Path(args.example).read_text())
+    if args.containers:
+        import images
+
+        say("building the images from the repo's Dockerfiles (cached after the first time) ...")
+        job["spec"]["image"] = images.build_all()["trainer"]
+    say("starting the local control plane, 2 local nodes and the operator ...")
+    stack = LocalStack(workdir, containers=args.containers).start()
+    ok = False
     name, ns = job["metadata"]["name"], "default"
     try:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}"

@@ -98,8 +98,9 @@ def install_crd(kubeconfig: Path, body: dict | None = None) -> None:
 class LocalStack:
     """Start order matters: the agent's bridge must exist before the operator binds to its gateway."""
 
-    def __init__(self, workdir: Path, nodes: int = 2):
+    def __init__(self, workdir: Path, nodes: int = 2, containers: bool = False):
         self.workdir = workdir
+        self.containers = containers  # pods run from their images through docker (hack/podcontainers.py)
         self.cluster = localcluster.LocalCluster(workdir=workdir, bin_dir=localcluster.binaries_dir(), gpu_nodes=0)
         self.nodes = nodes
         self.agent: NodeAgent | None = None
@@ -112,7 +113,8 @@ class LocalStack:
             install_crd(self.cluster.kubeconfig)
             names = [f"local-node-{i}" for i in range(self.nodes)]
             self.agent = NodeAgent(
-                str(self.cluster.kubeconfig), self.workdir / "nodeagent", names, pki=self.cluster.workdir / "pki"
+                str(self.cluster.kubeconfig), self.workdir / "nodeagent", names, pki=self.cluster.workdir / "pki",
+                containers=self.containers,
             ).start()
             self.operator = OperatorProcess(
                 self.cluster.kubeconfig, self.workdir / "operator.log", host=GATEWAY,

@@ -5,8 +5,10 @@ Each pod gets a network namespace (veth on a bridge, its own IP), its own hostna
 mount namespace, and `/etc/netns/<ns>/hosts` listing every pod of its namespace as
 `<pod>.<subdomain>.<namespace>.svc`, so a job's peers resolve to each other exactly as in a cluster.
 Volumes: ConfigMap -> files, PVC -> its bound PV's hostPath directory (subPath honoured), emptyDir ->
-a directory (a size-limited tmpfs for `medium: Memory`, which is how /dev/shm is sized). Images are
-ignored: `python` is this project's virtualenv interpreter. Requires root (as in CI) for namespaces.
+a directory (a size-limited tmpfs for `medium: Memory`, which is how /dev/shm is sized). In process mode
+(the default) images are ignored: `python` is this project's virtualenv interpreter. In container mode
+(`--containers`, hack/podcontainers.py) each pod's container runs from its image through docker, with the
+pod's user, fsGroup, limits and shm size. Requires root (as in CI) for namespaces.
 
     python hack/nodeagent.py --kubeconfig .cluster/kubeconfig --nodes 2
 """
@@ -29,7 +31,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import podcontainers
 from kubeletlogs import LogServer
+from podcontainers import Mount
 from sharded_operator.quantity import quantity_value
 
 BRIDGE = "shbr0"
@@ -83,7 +87,7 @@ class NodeAgent:
 
     def __init__(
         self, kubeconfig: str, workdir: Path, nodes: list[str], cpu: str = "8", memory: str = "32Gi",
-        pki: Path | None = None,
+        pki: Path | None = None, containers: bool = False,
     ):  # fmt: skip
         from kubernetes import client, config
 
@@ -105,6 +109,7 @@ class NodeAgent:
         # With the cluster's CA: serve the kubelet's log endpoint, so the API server can proxy `kubectl logs`.
         self.pki = pki
         self.logs: LogServer | None = None
+        self.containers = containers
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> NodeAgent:
@@ -129,6 +134,8 @@ class NodeAgent:
             with contextlib.suppress(Exception):
                 self.api.delete_node(name)
         sh("ip", "link", "del", BRIDGE, check=False)
+        for rule in self._forward_rules():
+            sh("iptables", "-D", *rule, check=False)
         if self.logs:
             self.logs.stop()
 
@@ -147,6 +154,17 @@ class NodeAgent:
             sh("ip", "link", "add", BRIDGE, "type", "bridge")
             sh("ip", "addr", "add", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE)
         sh("ip", "link", "set", BRIDGE, "up")
+        # dockerd sets the FORWARD policy to DROP (and br_netfilter sends bridged frames through it):
+        # without these, pods on the bridge silently stop reaching each other once docker runs.
+        for rule in self._forward_rules():
+            if sh("iptables", "-C", *rule, check=False).returncode != 0:
+                sh("iptables", "-I", *rule)
+
+    @staticmethod
+    def _forward_rules() -> list[list[str]]:
+        if shutil.which("iptables") is None:
+            return []
+        return [["FORWARD", "-i", BRIDGE, "-j", "ACCEPT"], ["FORWARD", "-o", BRIDGE, "-j", "ACCEPT"]]
 
     def _register(self, name: str) -> None:
         from kubernetes.client.rest import ApiException
@@ -270,6 +288,14 @@ class NodeAgent:
         keep = [{"key": t.key, "effect": t.effect, **({"value": t.value} if t.value else {})} for t in taints]
         self.api.patch_node(name, {"spec": {"taints": [*keep, taint] if present else keep}})
 
+    def crash(self, run: PodRun) -> None:
+        """SIGKILL the pod's main process (its container's, in container mode): no checkpoint, no goodbye."""
+        if self.containers:
+            podcontainers.kill(run.uid)
+        elif run.proc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.proc.pid, signal.SIGKILL)
+
     def _signal_all(self, run: PodRun, sig: int) -> None:
         for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
             with contextlib.suppress(ProcessLookupError, ValueError):
@@ -288,8 +314,17 @@ class NodeAgent:
         self.runs[uid] = run
         run.workdir.mkdir(parents=True, exist_ok=True)
         try:
+            if self.containers:
+                podcontainers.start_sandbox(pod, uid, run.netns)
             self._network(run)
-            script = self._script(pod, run)
+            mounts = self._mounts(pod, run)
+            if self.containers:
+                sc = pod.spec.security_context
+                podcontainers.set_ownership(mounts, sc.fs_group if sc else None)
+                argv = podcontainers.run_argv(pod, uid, run.netns, mounts, self._pod_env(pod, run))
+            else:
+                argv = ["ip", "netns", "exec", run.netns, "unshare", "--uts", "--mount", "--propagation", "private",
+                        "sh", str(self._script(pod, run, mounts))]  # fmt: skip
         except Exception as e:
             self._patch_status(pod, {"phase": "Failed", "reason": "AgentError", "message": str(e)[:500]})
             run.reported_exit = True
@@ -297,10 +332,8 @@ class NodeAgent:
             return
         log = open(run.workdir / "container.log", "ab")  # noqa: SIM115 - owned by the child
         run.proc = subprocess.Popen(
-            ["ip", "netns", "exec", run.netns, "unshare", "--uts", "--mount", "--propagation", "private",
-             "sh", str(script)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         self._refresh_hosts(run.namespace)
         container = pod.spec.containers[0]
         t = now()
@@ -318,7 +351,8 @@ class NodeAgent:
 
     def _network(self, run: PodRun) -> None:
         host_if, pod_if = f"vh{run.uid[:8]}", f"vp{run.uid[:8]}"
-        sh("ip", "netns", "add", run.netns)
+        if not self.containers:  # in container mode the sandbox's namespace is already attached by name
+            sh("ip", "netns", "add", run.netns)
         sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", pod_if)
         sh("ip", "link", "set", host_if, "master", BRIDGE, "up")
         sh("ip", "link", "set", pod_if, "netns", run.netns)
@@ -357,13 +391,9 @@ class NodeAgent:
                     f.write(text)
                     f.truncate()
 
-    def _env(self, pod, run: PodRun) -> dict[str, str]:
-        env = {
-            "PATH": f"{self.python_bin}:/usr/local/bin:/usr/bin:/bin",
-            "HOME": "/root",
-            "HOSTNAME": pod.spec.hostname or pod.metadata.name,
-            "PYTHONUNBUFFERED": "1",
-        }
+    def _pod_env(self, pod, run: PodRun) -> dict[str, str]:
+        """The container's own env (values and field references); the image brings the rest."""
+        env = {}
         fields = {
             "metadata.name": pod.metadata.name, "metadata.namespace": pod.metadata.namespace,
             "metadata.uid": pod.metadata.uid, "spec.nodeName": pod.spec.node_name, "status.podIP": run.ip,
@@ -375,6 +405,16 @@ class NodeAgent:
             elif e.value_from and e.value_from.field_ref:
                 env[e.name] = fields.get(e.value_from.field_ref.field_path, "")
         return env
+
+    def _process_env(self, pod, run: PodRun) -> dict[str, str]:
+        """Process mode has no image: this project's interpreter stands in for it."""
+        return {
+            "PATH": f"{self.python_bin}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/root",
+            "HOSTNAME": pod.spec.hostname or pod.metadata.name,
+            "PYTHONUNBUFFERED": "1",
+            **self._pod_env(pod, run),
+        }
 
     def _volume_source(self, pod, run: PodRun, volume) -> tuple[Path, str | None]:
         """(host directory, tmpfs size or None) for one pod volume."""
@@ -413,28 +453,38 @@ class NodeAgent:
             return base, None
         raise RuntimeError(f"volume {volume.name}: only configMap, persistentVolumeClaim, emptyDir, hostPath")
 
-    def _script(self, pod, run: PodRun) -> Path:
-        container = pod.spec.containers[0]
+    def _mounts(self, pod, run: PodRun) -> list[Mount]:
+        """The container's volume mounts, resolved to host directories (or tmpfs sizes)."""
         volumes = {v.name: v for v in pod.spec.volumes or []}
-        lines = ["set -e", f"hostname {shlex.quote(pod.spec.hostname or pod.metadata.name)}"]
-        for m in container.volume_mounts or []:
+        mounts = []
+        for m in pod.spec.containers[0].volume_mounts or []:
             if m.name not in volumes:
                 continue
-            src, tmpfs = self._volume_source(pod, run, volumes[m.name])
+            volume = volumes[m.name]
+            src, tmpfs = self._volume_source(pod, run, volume)
             if m.sub_path:
                 src = src / m.sub_path
                 src.mkdir(parents=True, exist_ok=True)
-            target = shlex.quote(m.mount_path)
+            owned = volume.persistent_volume_claim is not None or volume.empty_dir is not None
+            size = int(quantity_value(tmpfs)) if tmpfs else None
+            mounts.append(Mount(src, m.mount_path, tmpfs_bytes=size, read_only=bool(m.read_only), owned=owned))
+        return mounts
+
+    def _script(self, pod, run: PodRun, mounts: list[Mount]) -> Path:
+        container = pod.spec.containers[0]
+        lines = ["set -e", f"hostname {shlex.quote(pod.spec.hostname or pod.metadata.name)}"]
+        for m in mounts:
+            target = shlex.quote(m.target)
             # The mount point must exist in the shared filesystem; the mount itself stays in the pod's namespace.
-            Path(m.mount_path).mkdir(parents=True, exist_ok=True)
-            if tmpfs:
-                lines.append(f"mount -t tmpfs -o size={int(quantity_value(tmpfs))} tmpfs {target}")
+            Path(m.target).mkdir(parents=True, exist_ok=True)
+            if m.tmpfs_bytes is not None:
+                lines.append(f"mount -t tmpfs -o size={m.tmpfs_bytes} tmpfs {target}")
             else:
-                lines.append(f"mount --bind {shlex.quote(str(src))} {target}")
+                lines.append(f"mount --bind {shlex.quote(str(m.source))} {target}")
             if m.read_only:
                 lines.append(f"mount -o remount,bind,ro {target}")
         cmd = [*(container.command or []), *(container.args or [])]
-        env = self._env(pod, run)
+        env = self._process_env(pod, run)
         lines.append(f"cd {shlex.quote(container.working_dir or str(run.workdir))}")
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         lines.append(f"exec env -i {exports} {' '.join(shlex.quote(c) for c in cmd)}")
@@ -515,6 +565,8 @@ class NodeAgent:
 
     def _cleanup(self, run: PodRun) -> None:
         self._sweep(run)
+        if self.containers:
+            podcontainers.remove(run.uid)
         sh("ip", "netns", "del", run.netns, check=False)
         shutil.rmtree(Path("/etc/netns") / run.netns, ignore_errors=True)
 
@@ -546,8 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path(".cluster") / "nodeagent")
+    parser.add_argument("--containers", action="store_true", help="run pods from their images through docker")
     args = parser.parse_args(argv)
-    agent = NodeAgent(args.kubeconfig, args.workdir.resolve(), [f"local-node-{i}" for i in range(args.nodes)]).start()
+    nodes = [f"local-node-{i}" for i in range(args.nodes)]
+    agent = NodeAgent(args.kubeconfig, args.workdir.resolve(), nodes, containers=args.containers).start()
     print(json.dumps({"nodes": agent.nodes, "bridge": BRIDGE, "gateway": GATEWAY}), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates ./.venv for this checkout. The heavy dependencies (torch alone is several GB) live in a
-# shared virtualenv under $HOME/.cache keyed on pyproject.toml's dependency lists, so a fresh clone on
+# shared virtualenv under $HOME/.cache keyed on the lock (requirements/lock.txt), so a fresh clone on
 # the same machine reuses it; ./.venv itself only links to it and installs this project editable.
 set -euo pipefail
 
@@ -14,33 +14,24 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null
   exit 2
 fi
 
-# Dependencies of every extra, one per line; the cache key is their hash plus the interpreter.
-deps="$("$python" - <<'PY'
-import sys
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import pip._vendor.tomli as tomllib
-with open("pyproject.toml", "rb") as f:
-    project = tomllib.load(f)["project"]
-reqs = list(project["dependencies"])
-for extra in ("operator", "trainer", "dev"):
-    reqs += project["optional-dependencies"][extra]
-print("\n".join(reqs))
-PY
-)"
-key="$( (echo "$deps"; "$python" -VV) | sha256sum | cut -c1-12)"
+# The locked set (requirements/lock.txt, from `make lock`) is the only input: refuse a stale one.
+"$python" hack/lock.py check
+key="$( (cat requirements/lock.txt; "$python" -VV) | sha256sum | cut -c1-12)"
 cache_root="${SHARDED_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sharded-training}"
 deps_venv="$cache_root/venv-$key"
+# Every locked file, as downloaded (hashes checked): the virtualenv and both images install from here.
+wheelhouse="$cache_root/wheelhouse"
 
 if [ ! -f "$deps_venv/.complete" ]; then
-  log "installing Python dependencies into $deps_venv"
+  log "downloading the locked Python dependencies into $wheelhouse"
   log "first time only: torch and its CUDA libraries are several GB (3-10 minutes); later runs reuse them"
+  mkdir -p "$wheelhouse"
+  "$python" -m pip download --progress-bar on --no-deps --require-hashes -r requirements/lock.txt -d "$wheelhouse"
+  log "installing them into $deps_venv"
   rm -rf "$deps_venv"
   "$python" -m venv "$deps_venv"
-  "$deps_venv/bin/python" -m pip install --progress-bar on -q --upgrade pip setuptools wheel
-  # shellcheck disable=SC2086
-  echo "$deps" | tr '\n' '\0' | xargs -0 "$deps_venv/bin/python" -m pip install --progress-bar on
+  "$deps_venv/bin/python" -m pip install -q --no-index --find-links "$wheelhouse" --no-deps --require-hashes \
+    -r requirements/lock.txt
   touch "$deps_venv/.complete"
 else
   log "reusing Python dependencies in $deps_venv"
@@ -48,7 +39,7 @@ fi
 
 site="$("$deps_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 # The project's own entry points and packages come from pyproject.toml too: a change there re-links .venv.
-stamp="$deps_venv $(sha256sum pyproject.toml | cut -c1-12)"
+stamp="$deps_venv $(cat pyproject.toml requirements/lock.txt | sha256sum | cut -c1-12)"
 if [ ! -f .venv/.deps ] || [ "$(cat .venv/.deps)" != "$stamp" ]; then
   rm -rf .venv
   # No pip or setuptools of its own: the shared site's (newer) ones are found through the .pth below.

@@ -23,6 +23,14 @@ def cluster() -> Iterator[localcluster.LocalCluster]:
 
 
 @pytest.fixture(scope="session")
+def images() -> dict[str, str]:
+    """The operator and trainer images, built from the repo's Dockerfiles (dockerd started if needed)."""
+    import images as built
+
+    return built.build_all()
+
+
+@pytest.fixture(scope="session")
 def api_client(cluster):
     from kubernetes import config
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,17 +13,16 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
+from helpers.e2ejobs import NS, Jobs, cleanup, job
 from localstack import LocalStack
 from nodeagent import can_isolate
-from sharded_operator.models import ANNOTATION_CREATED_BY, GROUP, PLURAL, VERSION
-from sharded_trainer.checkpoint import committed_steps
+from sharded_operator.models import ANNOTATION_CREATED_BY
 from sharded_trainer.contract import MARKER, step_dir_name
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(not can_isolate(), reason="pods run in network namespaces: needs root and iproute2"),
 ]
-NS = "default"
 
 
 @pytest.fixture(scope="module")
@@ -34,76 +32,11 @@ def stack():
     s.stop()
 
 
-def job(name: str, strategy: str = "fsdp", steps: int = 30, **spec) -> dict:
-    body = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "ShardedTrainingJob",
-        "metadata": {"name": name},
-        "spec": {
-            "image": "sharded-training/trainer:0.1.0-cpu",
-            "nodes": 2,
-            "procsPerNode": 2,
-            "strategy": {"type": strategy},
-            "trainer": {
-                "model": {"preset": "tiny"}, "steps": steps, "microBatchSize": 4, "seqLen": 64,
-                "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 2,
-            },
-            "resources": {"cpu": 1, "memory": "2Gi"},
-            "checkpoint": {"volumeClaim": {"size": "1Gi"}, "interval": 10, "keepLast": 5},
-            "failurePolicy": {"backoffLimit": 2},
-            **spec,
-        },
-    }  # fmt: skip
-    return body
-
-
-class Jobs:
-    def __init__(self, stack: LocalStack):
-        self.stack = stack
-        self.path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
-
-    def create(self, body: dict) -> dict:
-        return self.stack.cluster.api("POST", self.path, body)
-
-    def status(self, name: str) -> dict:
-        return self.stack.cluster.api("GET", f"{self.path}/{name}").get("status") or {}
-
-    def patch(self, name: str, spec: dict) -> None:
-        self.stack.cluster.api("PATCH", f"{self.path}/{name}", {"spec": spec}, "application/merge-patch+json")
-
-    def delete(self, name: str) -> None:
-        self.stack.cluster.api("DELETE", f"{self.path}/{name}")
-
-    def exists(self, name: str) -> bool:
-        names = [item["metadata"]["name"] for item in self.stack.cluster.api("GET", self.path)["items"]]
-        return name in names
-
-    def wait(self, name: str, pred, timeout: float = 240, what: str = "") -> dict:
-        return wait_for(lambda: (s := self.status(name)) and pred(s) and s, timeout=timeout, interval=0.5, what=what)
-
-    def checkpoints(self, name: str) -> list[int]:
-        return committed_steps(self.stack.claim_dir(NS, f"{name}-checkpoints") / name)
-
-    def logs(self, name: str) -> str:
-        return "\n".join(
-            p.read_text()
-            for p in sorted((self.stack.workdir / "nodeagent" / "pods").glob(f"{NS}_{name}-*/container.log"))
-        )
-
-    def event_reasons(self, name: str) -> list[str]:
-        events = self.stack.cluster.api("GET", f"/apis/events.k8s.io/v1/namespaces/{NS}/events")["items"]
-        return [e["reason"] for e in events if (e.get("regarding") or {}).get("name") == name]
-
-    def runs(self, name: str):
-        return [r for r in self.stack.agent.runs.values() if r.name.startswith(f"{name}-")]
-
-
 @pytest.fixture
 def jobs(stack):
     j = Jobs(stack)
     yield j
-    for item in stack.cluster.api("GET", j.path)["items"]:
-        j.delete(item["metadata"]["name"])
+    cleanup(j)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
@@ -126,7 +59,7 @@ def test_killed_pod_process_restarts_the_gang_and_resumes_from_the_newest_checkp
     jobs.create(job(name, steps=80))
     jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
     victim = next(r for r in jobs.runs(name) if r.name == f"{name}-1")
-    os.killpg(victim.proc.pid, signal.SIGKILL)  # a crash: no checkpoint, no goodbye
+    stack.agent.crash(victim)  # SIGKILL: no checkpoint, no goodbye
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
     assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
     assert status["restarts"] == 1 and status["attempt"] == 2

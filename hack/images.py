@@ -1,0 +1,166 @@
+"""The operator and trainer images, built here from the repo's own Dockerfiles.
+
+No image registry is reachable from the test machines, so two things are swapped, and only those, through
+the Dockerfiles' build arguments: the base image (Debian bookworm with Python 3.11, made by debootstrap and
+`docker import`, standing in for python:3.11-slim-bookworm) and the package index (the locked files of
+requirements/, downloaded once by hack/setup-env.sh, served on loopback as a PEP 503 index). Everything
+else is what users build. Docker's layer cache keys the multi-GB dependency layer on the lock, so after
+the first build a code change rebuilds only the project's own layer.
+
+    python hack/images.py            # start dockerd if needed, build both images, print their tags
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("SHARDED_CACHE_DIR") or Path.home() / ".cache" / "sharded-training")
+WHEELHOUSE = CACHE / "wheelhouse"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates"]
+# A fixed port: the index URL is a build argument, and a different one would miss the layer cache.
+INDEX_PORT = 36617
+VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]  # type: ignore[index]
+OPERATOR_IMAGE = f"sharded-training/operator:{VERSION}"
+TRAINER_IMAGE = f"sharded-training/trainer:{VERSION}"
+
+
+def log(message: str) -> None:
+    print(f"[images] {message}", file=sys.stderr, flush=True)
+
+
+def docker(*args: str, check: bool = True, capture: bool = True, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DOCKER_BUILDKIT": "0"}  # the classic builder: no buildx plugin is needed
+    return subprocess.run(["docker", *args], check=check, capture_output=capture, text=True, env=env, **kw)
+
+
+def dockerd_running() -> bool:
+    return shutil.which("docker") is not None and docker("info", check=False).returncode == 0
+
+
+def ensure_dockerd(timeout: float = 90) -> None:
+    """Start dockerd when none answers (installing Debian's docker.io first if missing). It stays up after
+    the tests, like the caches: the next run reuses it and its image store."""
+    if dockerd_running():
+        return
+    if shutil.which("dockerd") is None:
+        log("installing Debian's docker.io (first time only)")
+        subprocess.run(["apt-get", "install", "-y", "-q", "docker.io"], check=True, capture_output=True,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+    CACHE.mkdir(parents=True, exist_ok=True)
+    out = open(CACHE / "dockerd.log", "ab")  # noqa: SIM115 - owned by the daemon
+    subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                     start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not dockerd_running():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"dockerd did not answer within {timeout}s; see {CACHE / 'dockerd.log'}")
+        time.sleep(0.5)
+    log("dockerd started")
+
+
+def _image_label(tag: str, label: str) -> str | None:
+    out = docker("image", "inspect", "-f", f'{{{{index .Config.Labels "{label}"}}}}', tag, check=False)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def base_image() -> str:
+    """Debian bookworm with Python 3.11 (`python` on PATH, venv available), keyed on its recipe."""
+    recipe = hashlib.sha256(" ".join([DEBIAN_MIRROR, *BASE_PACKAGES]).encode()).hexdigest()[:12]
+    tag = f"sharded-local/python:3.11-bookworm-{recipe}"
+    if _image_label(tag, "sharded.recipe") == recipe:
+        return tag
+    if shutil.which("debootstrap") is None:
+        log("installing Debian's debootstrap (first time only)")
+        subprocess.run(["apt-get", "install", "-y", "-q", "debootstrap"], check=True, capture_output=True)
+    started = time.monotonic()
+    log(f"making the base image {tag} with debootstrap (first time only, about 3 minutes)")
+    with tempfile.TemporaryDirectory(prefix="sharded-base-") as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", "bookworm",
+                        str(rootfs), DEBIAN_MIRROR], check=True, capture_output=True)  # fmt: skip
+        (rootfs / "usr/local/bin/python").symlink_to("/usr/bin/python3")
+        shutil.rmtree(rootfs / "var/lib/apt/lists", ignore_errors=True)
+        (rootfs / "var/lib/apt/lists").mkdir()
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        docker("import", "--change", f"LABEL sharded.recipe={recipe}", "--change", 'CMD ["python"]', "-", tag,
+               stdin=tar.stdout)  # fmt: skip
+        tar.wait()
+    log(f"base image made in {time.monotonic() - started:.0f}s")
+    return tag
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@contextlib.contextmanager
+def package_index() -> Iterator[str]:
+    """The wheelhouse as a PEP 503 simple index on loopback, for the duration of a build."""
+    found = WHEELHOUSE.iterdir() if WHEELHOUSE.is_dir() else []
+    files = sorted(p for p in found if p.suffix in (".whl", ".gz", ".zip"))
+    if not files:
+        raise RuntimeError(f"{WHEELHOUSE} is empty: run `make setup` first (it downloads the locked files)")
+    with tempfile.TemporaryDirectory(prefix="sharded-index-") as tmp:
+        for f in files:
+            project = _normalize(re.split(r"-\d", f.name, maxsplit=1)[0])
+            folder = Path(tmp) / "simple" / project
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f.name).symlink_to(f)
+        handler = functools.partial(_QuietHandler, directory=tmp)
+        try:
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", INDEX_PORT), handler)
+        except OSError:  # taken: any port works, the dependency layer is just rebuilt
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}/simple/"
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def build(dockerfile: str, tag: str, base: str, index: str) -> None:
+    started = time.monotonic()
+    log(f"building {tag} from {dockerfile} (cached layers are reused; the first build of the trainer image "
+        "installs torch: several minutes)")  # fmt: skip
+    result = docker("build", "--network", "host", "-f", dockerfile, "--build-arg", f"BASE_IMAGE={base}",
+                    "--build-arg", f"PIP_INDEX_URL={index}", "-t", tag, str(ROOT), check=False)  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"docker build of {tag} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    log(f"{tag} ready in {time.monotonic() - started:.0f}s")
+
+
+def build_all() -> dict[str, str]:
+    """Both images, built from the repo's Dockerfiles; returns {'operator': tag, 'trainer': tag}."""
+    ensure_dockerd()
+    base = base_image()
+    with package_index() as index:
+        build("operator/Dockerfile", OPERATOR_IMAGE, base, index)
+        build("trainer/Dockerfile", TRAINER_IMAGE, base, index)
+    return {"operator": OPERATOR_IMAGE, "trainer": TRAINER_IMAGE, "base": base}
+
+
+if __name__ == "__main__":
+    for kind, tag in build_all().items():
+        print(f"{kind} {tag}")

@@ -1,0 +1,79 @@
+"""Jobs for the end-to-end tiers (process and container mode): a small CPU job and a client for it."""
+
+from __future__ import annotations
+
+from conftest import wait_for
+from localstack import LocalStack
+from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_trainer.checkpoint import committed_steps
+
+NS = "default"
+
+
+def job(name: str, strategy: str = "fsdp", steps: int = 30, **spec) -> dict:
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "ShardedTrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "image": "sharded-training/trainer:0.1.0",
+            "nodes": 2,
+            "procsPerNode": 2,
+            "strategy": {"type": strategy},
+            "trainer": {
+                "model": {"preset": "tiny"}, "steps": steps, "microBatchSize": 4, "seqLen": 64,
+                "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 2,
+            },
+            "resources": {"cpu": 1, "memory": "2Gi"},
+            "checkpoint": {"volumeClaim": {"size": "1Gi"}, "interval": 10, "keepLast": 5},
+            "failurePolicy": {"backoffLimit": 2},
+            **spec,
+        },
+    }  # fmt: skip
+    return body
+
+
+class Jobs:
+    def __init__(self, stack: LocalStack):
+        self.stack = stack
+        self.path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
+
+    def create(self, body: dict) -> dict:
+        return self.stack.cluster.api("POST", self.path, body)
+
+    def status(self, name: str) -> dict:
+        return self.stack.cluster.api("GET", f"{self.path}/{name}").get("status") or {}
+
+    def patch(self, name: str, spec: dict) -> None:
+        self.stack.cluster.api("PATCH", f"{self.path}/{name}", {"spec": spec}, "application/merge-patch+json")
+
+    def delete(self, name: str) -> None:
+        self.stack.cluster.api("DELETE", f"{self.path}/{name}")
+
+    def exists(self, name: str) -> bool:
+        names = [item["metadata"]["name"] for item in self.stack.cluster.api("GET", self.path)["items"]]
+        return name in names
+
+    def wait(self, name: str, pred, timeout: float = 240, what: str = "") -> dict:
+        return wait_for(lambda: (s := self.status(name)) and pred(s) and s, timeout=timeout, interval=0.5, what=what)
+
+    def checkpoints(self, name: str) -> list[int]:
+        return committed_steps(self.stack.claim_dir(NS, f"{name}-checkpoints") / name)
+
+    def logs(self, name: str) -> str:
+        return "\n".join(
+            p.read_text()
+            for p in sorted((self.stack.workdir / "nodeagent" / "pods").glob(f"{NS}_{name}-*/container.log"))
+        )
+
+    def event_reasons(self, name: str) -> list[str]:
+        events = self.stack.cluster.api("GET", f"/apis/events.k8s.io/v1/namespaces/{NS}/events")["items"]
+        return [e["reason"] for e in events if (e.get("regarding") or {}).get("name") == name]
+
+    def runs(self, name: str):
+        return [r for r in self.stack.agent.runs.values() if r.name.startswith(f"{name}-")]
+
+
+def cleanup(jobs: Jobs) -> None:
+    for item in jobs.stack.cluster.api("GET", jobs.path)["items"]:
+        jobs.delete(item["metadata"]["name"])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +27,11 @@ def test_editing_a_dependency_without_make_lock_is_caught(tmp_path):
 
 def test_the_installed_packages_are_exactly_the_locked_ones():
     """Fails when anything is installed beside the lock, missing from it, or at another version."""
-    installed = {lock.normalize(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # Only the virtualenv's site-packages: once imported, setuptools appends its own _vendor folder to
+    # sys.path, whose vendored dist-infos (wheel, packaging, autocommand...) are not installed packages.
+    paths = [entry for entry in sys.path if not Path(entry).match("setuptools/_vendor")]
+    dists = metadata.distributions(path=paths)
+    installed = {lock.normalize(d.metadata["Name"]): d.version for d in dists}
     installed.pop("sharded-training")  # this project, editable
     installed.pop("pip")  # the virtualenv's own installer (ensurepip), never imported by the project
     assert installed == LOCKED

@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.deps
 
-.PHONY: help lock setup binaries test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
+.PHONY: help lock setup binaries images test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
 
 help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
@@ -21,6 +21,11 @@ setup: $(VENV_STAMP)
 
 binaries:
 	@bash hack/build-binaries.sh >/dev/null
+
+# dockerd (started, installed if missing), a Debian base made with debootstrap, and both images built
+# from the repo's Dockerfiles; Docker's layer cache keys the multi-GB dependency layer on the lock.
+images: setup
+	@$(PY) hack/images.py
 
 lint: setup binaries
 	@echo "[lint] ruff"
@@ -42,8 +47,8 @@ crds: setup
 	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/files/crds/
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
 
-test: setup binaries lint
-	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (real processes), one soak seed: ~29 min"
+test: setup binaries images lint
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~32 min"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
 
 SEEDS ?= $(or $(SEED),$(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done))

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("SHARDED_CACHE_DIR") or Path.home() / ".cache" / "sharded-training")
 WHEELHOUSE = CACHE / "wheelhouse"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates"]
+# python:3.11-slim carries Python's headers (torch extensions compile against them); Debian splits them out.
+BASE_PACKAGES = ["python3", "python3-venv", "python3-dev", "ca-certificates"]
 # A fixed port: the index URL is a build argument, and a different one would miss the layer cache.
 INDEX_PORT = 36617
 VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]  # type: ignore[index]
@@ -48,6 +49,17 @@ def docker(*args: str, check: bool = True, capture: bool = True, **kw) -> subpro
     return subprocess.run(["docker", *args], check=check, capture_output=capture, text=True, env=env, **kw)
 
 
+def apt_install(package: str) -> None:
+    """Debian's package, installed non-interactively; the package lists are refreshed first only when the
+    install fails without them (a machine whose lists are missing or stale)."""
+    log(f"installing Debian's {package} (first time only)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "-q", package]
+    if subprocess.run(cmd, capture_output=True, env=env).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], check=True, capture_output=True, env=env)
+        subprocess.run(cmd, check=True, capture_output=True, env=env)
+
+
 def dockerd_running() -> bool:
     return shutil.which("docker") is not None and docker("info", check=False).returncode == 0
 
@@ -58,9 +70,7 @@ def ensure_dockerd(timeout: float = 90) -> None:
     if dockerd_running():
         return
     if shutil.which("dockerd") is None:
-        log("installing Debian's docker.io (first time only)")
-        subprocess.run(["apt-get", "install", "-y", "-q", "docker.io"], check=True, capture_output=True,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+        apt_install("docker.io")
     CACHE.mkdir(parents=True, exist_ok=True)
     out = open(CACHE / "dockerd.log", "ab")  # noqa: SIM115 - owned by the daemon
     subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -85,8 +95,7 @@ def base_image() -> str:
     if _image_label(tag, "sharded.recipe") == recipe:
         return tag
     if shutil.which("debootstrap") is None:
-        log("installing Debian's debootstrap (first time only)")
-        subprocess.run(["apt-get", "install", "-y", "-q", "debootstrap"], check=True, capture_output=True)
+        apt_install("debootstrap")
     started = time.monotonic()
     log(f"making the base image {tag} with debootstrap (first time only, about 3 minutes)")
     with tempfile.TemporaryDirectory(prefix="sharded-base-") as tmp:
@@ -158,6 +167,8 @@ def build_all() -> dict[str, str]:
     with package_index() as index:
         build("operator/Dockerfile", OPERATOR_IMAGE, base, index)
         build("trainer/Dockerfile", TRAINER_IMAGE, base, index)
+    # A rebuild leaves the previous image untagged (the trainer's is 5 GB): drop those, keep the cache.
+    docker("image", "prune", "-f", check=False)
     return {"operator": OPERATOR_IMAGE, "trainer": TRAINER_IMAGE, "base": base}
 
 

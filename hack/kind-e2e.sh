@@ -33,8 +33,8 @@ echo "::endgroup::"
 
 echo "::group::images"
 docker build -f operator/Dockerfile -t "sharded-training/operator:$version" .
-docker build -f trainer/Dockerfile --target cpu -t "sharded-training/trainer:$version-cpu" .
-kind load docker-image --name "$cluster" "sharded-training/operator:$version" "sharded-training/trainer:$version-cpu"
+docker build -f trainer/Dockerfile -t "sharded-training/trainer:$version" .
+kind load docker-image --name "$cluster" "sharded-training/operator:$version" "sharded-training/trainer:$version"
 echo "::endgroup::"
 
 echo "::group::chart"

@@ -462,12 +462,13 @@ class NodeAgent:
                 continue
             volume = volumes[m.name]
             src, tmpfs = self._volume_source(pod, run, volume)
+            owned = volume.persistent_volume_claim is not None or volume.empty_dir is not None
+            owned_root = src if owned else None
             if m.sub_path:
                 src = src / m.sub_path
                 src.mkdir(parents=True, exist_ok=True)
-            owned = volume.persistent_volume_claim is not None or volume.empty_dir is not None
             size = int(quantity_value(tmpfs)) if tmpfs else None
-            mounts.append(Mount(src, m.mount_path, tmpfs_bytes=size, read_only=bool(m.read_only), owned=owned))
+            mounts.append(Mount(src, m.mount_path, tmpfs_bytes=size, read_only=bool(m.read_only), owned_root=owned_root))
         return mounts
 
     def _script(self, pod, run: PodRun, mounts: list[Mount]) -> Path:

@@ -26,7 +26,9 @@ class Mount:
     target: str
     tmpfs_bytes: int | None = None  # a memory-backed emptyDir of this size
     read_only: bool = False
-    owned: bool = False  # a volume whose ownership the kubelet manages (fsGroup): claims and emptyDirs
+    # The root of the volume (not of its subPath) when the kubelet manages its ownership (fsGroup):
+    # claims and emptyDirs.
+    owned_root: Path | None = None
 
 
 def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -58,10 +60,10 @@ def set_ownership(mounts: list[Mount], fs_group: int | None) -> None:
     inherit the group; skipped when the volume's root already has the group."""
     if fs_group is None:
         return
-    for m in mounts:
-        if not m.owned or m.tmpfs_bytes is not None or m.source.stat().st_gid == fs_group:
+    for root in {m.owned_root for m in mounts if m.owned_root is not None and m.tmpfs_bytes is None}:
+        if root.stat().st_gid == fs_group:
             continue
-        for path in [m.source, *m.source.rglob("*")]:
+        for path in [root, *root.rglob("*")]:
             if path.is_symlink():
                 continue
             os.chown(path, -1, fs_group)

@@ -7,6 +7,8 @@ import json
 import re
 import subprocess
 import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,56 @@ def test_the_same_identity_cannot_read_secrets_or_other_namespaces(release, tmp_
     with pytest.raises(ApiException) as exc:
         read(core)
     assert exc.value.status == 403
+
+
+def test_the_operator_image_serves_healthz_and_reconciles_with_the_charts_token(release, images, tmp_path):
+    """The image built from operator/Dockerfile, as the chart runs it: in-cluster credentials from the
+    ServiceAccount token mounted where the kubelet mounts it, non-root (the image's uid 65532)."""
+    secrets = tmp_path / "serviceaccount"
+    secrets.mkdir()
+    (secrets / "token").write_text(sa_token(release))
+    (secrets / "ca.crt").write_bytes((release.workdir / "pki" / "ca.crt").read_bytes())
+    (secrets / "namespace").write_text(NS)
+    for f in [secrets, *secrets.iterdir()]:
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    server = urllib.parse.urlsplit(json.loads(release.kubeconfig.read_text())["clusters"][0]["cluster"]["server"])
+    port = localcluster.free_port()
+    env = {"KUBERNETES_SERVICE_HOST": server.hostname, "KUBERNETES_SERVICE_PORT": str(server.port),
+           "SHARDED_OPERATOR_HTTP_HOST": "127.0.0.1", "SHARDED_OPERATOR_HTTP_PORT": str(port),
+           "SHARDED_OPERATOR_PROGRESS_PORT": str(localcluster.free_port()), "SHARDED_OPERATOR_NAMESPACES": JOBS_NS,
+           "SHARDED_OPERATOR_LEASE_NAME": SA, "SHARDED_OPERATOR_LEASE_NAMESPACE": NS}  # fmt: skip
+    name = f"sharded-operator-{port}"
+    # The host's network: the control plane listens on loopback only.
+    subprocess.run(["docker", "run", "-d", "--name", name, "--network", "host",
+                    "-v", f"{secrets}:/var/run/secrets/kubernetes.io/serviceaccount:ro",
+                    *(a for k, v in env.items() for a in ("-e", f"{k}={v}")), images["operator"]],
+                   check=True, capture_output=True)  # fmt: skip
+    try:
+        def healthy():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, timeout=60, what="the operator image's /healthz")
+        user = subprocess.run(["docker", "exec", name, "id", "-u"], capture_output=True, text=True, check=True)
+        assert user.stdout.strip() == "65532"
+        body = make_job("in-image").nodes(2).gpus(2).obj()
+        body["metadata"] = {"name": "in-image"}
+        release.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}", body)
+        wait_for(lambda: (release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/in-image")
+                          .get("status") or {}).get("phase") == "Running", timeout=60, what="job Running")
+        # Deleted while the operator runs: it releases its finalizer.
+        release.api("DELETE", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/in-image")
+        jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}"
+        wait_for(lambda: not any(j["metadata"]["name"] == "in-image" for j in release.api("GET", jobs)["items"]),
+                 timeout=60, what="job deleted")  # fmt: skip
+        out = subprocess.run(["docker", "logs", name], capture_output=True, text=True)
+        logs = out.stdout + out.stderr
+        assert not re.search(r"Forbidden|\b403\b", logs), logs[-3000:]
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
 
 
 def test_helm_upgrade_upgrades_the_crd_and_uninstall_keeps_it_with_the_jobs(release, tmp_path):

@@ -16,6 +16,10 @@ store="$cache_root/binaries"        # <name>@<version>, immutable once built
 work="$cache_root/go-wrappers"      # one wrapper Go module per tool and version
 bin_dir="$cache_root/bin-$(sha256sum "$here/versions.env" | cut -c1-12)"
 mkdir -p "$store" "$work" "$bin_dir"
+# One builder at a time per cache (make demo and make test may start together, and a test builds helm):
+# two `go build`s of one tool would race on its .tmp output; the second waits, then finds it built.
+exec 9>"$cache_root/.build.lock"
+flock 9
 
 declare -A version=(
   [kube-apiserver]=$KUBERNETES_VERSION [kube-controller-manager]=$KUBERNETES_VERSION

@@ -468,7 +468,9 @@ class NodeAgent:
                 src = src / m.sub_path
                 src.mkdir(parents=True, exist_ok=True)
             size = int(quantity_value(tmpfs)) if tmpfs else None
-            mounts.append(Mount(src, m.mount_path, tmpfs_bytes=size, read_only=bool(m.read_only), owned_root=owned_root))
+            mounts.append(
+                Mount(src, m.mount_path, tmpfs_bytes=size, read_only=bool(m.read_only), owned_root=owned_root)
+            )
         return mounts
 
     def _script(self, pod, run: PodRun, mounts: list[Mount]) -> Path:

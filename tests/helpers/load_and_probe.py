@@ -1,4 +1,6 @@
-"""Under torchrun: load a checkpoint into the sharded strategy, then rank 0 saves full weights and logits."""
+"""Under torchrun: load a checkpoint into the sharded strategy, then rank 0 saves full weights and logits;
+or, with --resave DIR, every rank saves the loaded state again at once into DIR, untouched by any step, so
+the two checkpoints can be compared state for state."""
 
 from __future__ import annotations
 
@@ -21,19 +23,24 @@ def main() -> None:
     parser.add_argument("--config")
     parser.add_argument("--step", type=int)
     parser.add_argument("--out")
+    parser.add_argument("--resave")
     args = parser.parse_args(sys.argv[1:])
 
     cfg = load_config(args.config)
     env = init_distributed(cfg.backend)
-    probe(cfg, env, args.step, args.out)
+    probe(cfg, env, args.step, args.out, args.resave)
     dist.barrier()
 
 
-def probe(cfg, env, step: int, out: str) -> None:
+def probe(cfg, env, step: int, out: str, resave: str | None) -> None:
     """Load, run and save. Everything sharded lives in this frame, so it is freed before the process group
     goes: objects left alive until interpreter shutdown can abort it from their destructors."""
     strategy = build_strategy(build_model(cfg), cfg, env)
     strategy.load(step_dir(Path(cfg.checkpoint.dir), step))
+    if resave:
+        Path(resave).mkdir(parents=True, exist_ok=True)
+        strategy.save(Path(resave), async_save=False)
+        return
     tokens = (torch.arange(2 * cfg.seq_len).reshape(2, cfg.seq_len) * 7) % 64
     with torch.no_grad():
         logits = strategy.model(tokens)

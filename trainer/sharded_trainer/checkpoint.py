@@ -314,6 +314,8 @@ class CheckpointManager:
         saved = state.get("fingerprint", self.fingerprint)  # checkpoints from before fingerprints load as they are
         if not isinstance(saved, dict):  # a file on a shared claim: anything may be in it
             saved = {"fingerprint": f"unreadable ({type(saved).__name__})"}
+        # ZeRO-2 checkpoints once recorded the world size they could load at; every world loads them now.
+        saved = {k: v for k, v in saved.items() if k != "world"}
         if diff := differences(saved, self.fingerprint):
             raise Incompatible(f"checkpoint {directory} cannot be resumed by this run: {'; '.join(diff)}")
         files = marker.get("files")

@@ -129,6 +129,13 @@ class TrainingSpec(Model):
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps to train for.")
     micro_batch_size: int = Field(2, ge=1, le=4096, description="Sequences per process per forward pass.")
     grad_accum_steps: int = Field(1, ge=1, le=1024, description="Micro-batches accumulated per optimizer step.")
+    global_batch_size: int | None = Field(
+        None, ge=1, le=1_048_576,
+        description="Sequences per optimizer step over all processes. When set, gradAccumSteps is derived from "
+        "the world size at each start, so a job resumed on more or fewer processes keeps its batch (and its loss "
+        "curve); when the world does not divide it, the nearest achievable batch is used and the SettingChosen "
+        "event says so.",
+    )  # fmt: skip
     seq_len: int = Field(128, ge=8, le=131_072, description="Tokens per sequence.")
     precision: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="Parameter/compute dtype; bf16 on CPU falls back to fp32 compute where unsupported."
@@ -197,6 +204,27 @@ class TrainerConfig(TrainingSpec):
         if self.tensorboard and not self.checkpoint.dir:
             raise ValueError("tensorboard needs checkpoint.dir: the event files are written next to the checkpoints")
         return self
+
+
+def accumulation_for(cfg: TrainingSpec, world: int) -> tuple[int, int]:
+    """(gradient accumulation steps, global batch) for `world` processes: the config's own accumulation, or
+    the one whose batch lies nearest `global_batch_size` (the smaller on a tie: less time per step)."""
+    per_pass = cfg.micro_batch_size * world
+    if cfg.global_batch_size is None:
+        return cfg.grad_accum_steps, per_pass * cfg.grad_accum_steps
+    low = max(1, min(1024, cfg.global_batch_size // per_pass))
+    high = min(1024, low + 1)
+    accum = min((low, high), key=lambda a: (abs(a * per_pass - cfg.global_batch_size), a))
+    return accum, accum * per_pass
+
+
+def describe_batch(cfg: TrainingSpec, world: int) -> str:
+    """The batch `world` processes train with, for people (the SettingChosen event)."""
+    accum, global_batch = accumulation_for(cfg, world)
+    text = f"global batch {global_batch} ({cfg.micro_batch_size} x {accum} accumulated x {world} processes)"
+    if cfg.global_batch_size not in (None, global_batch):
+        text += f", the nearest to globalBatchSize {cfg.global_batch_size} that {world} processes allow"
+    return text
 
 
 class ConfigError(ValueError):

@@ -60,7 +60,6 @@ def host_stager(device: torch.device):
 class FsdpStrategy:
     """FSDP2 training step; a checkpoint is DCP's sharded files (`model`, `optim`, `scheduler` keys)."""
 
-    world_bound = False  # DCP reshards on load
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
         from torch.distributed.device_mesh import init_device_mesh

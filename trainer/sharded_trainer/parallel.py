@@ -23,8 +23,6 @@ class Strategy(Protocol):
     """
 
     model: nn.Module
-    # Whether its checkpoints load only at the world size that wrote them (DeepSpeed's partitioning).
-    world_bound: bool
     # How the state is laid out over the processes, for people (the SettingChosen event).
     layout: str
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible
-from sharded_trainer.config import TrainerConfig
+from sharded_trainer.config import TrainerConfig, accumulation_for, describe_batch
 from sharded_trainer.contract import ExitCode, TrainerEventType
 from sharded_trainer.data import ShardedLoader, TokenSource
 from sharded_trainer.metrics import Meter, emit
@@ -32,11 +32,11 @@ class StopRequest:
             signal.signal(sig, lambda *_: self.requested.set())
 
 
-def fingerprint(cfg: TrainerConfig, model, strategy, env: DistEnv) -> dict:
-    """What a checkpoint of this run can be resumed by: the strategy, the model's shape and, where the
-    strategy's format needs it, the world size. The sequence length is left out: RoPE tables are not saved."""
+def fingerprint(cfg: TrainerConfig, model) -> dict:
+    """What a checkpoint of this run can be resumed by: the strategy and the model's shape. Not the world
+    size: both strategies reshard on load. The sequence length is left out: RoPE tables are not saved."""
     shape = {k: v for k, v in dataclasses.asdict(model.args).items() if k != "max_seq_len"}
-    return {"strategy": cfg.strategy.type, "model": shape, **({"world": env.world} if strategy.world_bound else {})}
+    return {"strategy": cfg.strategy.type, "model": shape}
 
 
 def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) -> int:
@@ -44,6 +44,9 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     stop = StopRequest()
     if env.is_main:  # the process group is up: the rendezvous is over
         emit({"event": "started", "world": env.world})
+    # The world that rendezvoused decides the accumulation when the batch is global (an elastic job).
+    accum, global_batch = accumulation_for(cfg, env.world)
+    cfg = cfg.model_copy(update={"grad_accum_steps": accum})
     model = build_model(cfg)
     args = model.args
     strategy = build_strategy(model, cfg, env)
@@ -65,13 +68,16 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         emit({"event": "layout", "strategy": cfg.strategy.type, "layout": strategy.layout})
     ckpt = CheckpointManager(
         cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed, on_set_aside=set_aside,
-        fingerprint=fingerprint(cfg, model, strategy, env),
+        fingerprint=fingerprint(cfg, model),
     )  # fmt: skip
     # What the run settled on (backend `auto` resolved here outside a pod; the world size torchrun made).
+    if env.is_main:
+        emit({"event": "batch", "global_batch": global_batch, "grad_accum_steps": accum, "world": env.world,
+              **({"requested": cfg.global_batch_size} if cfg.global_batch_size not in (None, global_batch) else {})})
     report.event(
         TrainerEventType.SETTING_CHOSEN,
         f"{cfg.strategy.type} on {env.world} processes ({strategy.layout}), backend {env.backend} "
-        f"on {env.device.type}",
+        f"on {env.device.type}, {describe_batch(cfg, env.world)}",
     )
 
     step = 0

@@ -1,7 +1,9 @@
-"""DeepSpeed ZeRO stage 2 applied to an unchanged model; checkpoints in DeepSpeed's own format."""
+"""DeepSpeed ZeRO stage 2 applied to an unchanged model; checkpoints in DeepSpeed's own format, which
+this module also reloads at another world size (DeepSpeed itself refuses to)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from sharded_trainer.process_group import DistEnv
 # DeepSpeed writes a checkpoint into <step directory>/<tag>/; its partitioned optimizer state is laid
 # out there in files only DeepSpeed reads back.
 TAG = "zero2"
+# One file per data-parallel rank: that rank's partition of the fp32 master weights and optimizer state.
+PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 
 
 def zero2_config(cfg: TrainerConfig, options: Zero2Options) -> dict:
@@ -67,8 +71,6 @@ def apply_zero2(model: nn.Module, *, cfg: TrainerConfig, device: torch.device):
 class Zero2Strategy:
     """ZeRO-2 training step; a checkpoint is DeepSpeed's files under the step directory's `TAG` folder."""
 
-    world_bound = True  # the optimizer state is partitioned for the world that saved it
-
     def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
         import deepspeed
 
@@ -104,11 +106,16 @@ class Zero2Strategy:
         return None
 
     def load(self, directory: Path) -> None:
+        saved_world = len(partition_files(directory))
+        same_world = saved_world == self.env.world
+        # At another world size DeepSpeed loads the module, scheduler and counters; the partitions follow.
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(directory), tag=TAG, load_optimizer_states=same_world, load_lr_scheduler_states=True
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
+        if not same_world:
+            repartition(self.engine.optimizer, partition_files(directory), self.env.rank, self.env.world)
         if self.cfg.strategy.zero2.cpu_offload_optimizer:
             # A checkpoint written with torch's AdamW (offload switched on since): its parameter groups lack
             # the key DeepSpeed's CPU Adam reads; the moments and the step carry over as they are.
@@ -143,3 +150,90 @@ class Zero2Strategy:
         module = torch.load(files[0], map_location="cpu", weights_only=False)["module"] if files else {}
         rounded = any(v.is_floating_point() and v.dtype != torch.float32 for v in module.values())
         return "fp32 master weights from the optimizer partitions" if rounded else "fp32 module weights"
+
+
+def partition_files(directory: Path) -> list[Path]:
+    """The saving world's optimizer partitions, in rank order (checked to be 0..n-1 with none missing)."""
+    files = (directory / TAG).glob("*optim_states.pt")
+    found = {int(m[1]): f for f in files if (m := PARTITION_FILE.fullmatch(f.name))}
+    if sorted(found) != list(range(len(found))) or not found:
+        raise FileNotFoundError(f"{directory / TAG}: optimizer partitions {sorted(found)} are not ranks 0..n-1")
+    return [found[r] for r in range(len(found))]
+
+
+def window(pieces: Sequence[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of the concatenation of `pieces`, copying only those (the pieces may be mmapped)."""
+    out, offset = [], 0
+    for piece in pieces:
+        flat = piece.reshape(-1)
+        a, b = max(lo, offset), min(hi, offset + flat.numel())
+        if a < b:
+            out.append(flat[a - offset : b - offset])
+        offset += flat.numel()
+    return torch.cat(out) if out else pieces[0].new_empty(0)
+
+
+def _partition(pieces: Sequence[torch.Tensor], span: tuple[int, int], size: int, device) -> torch.Tensor:
+    """A partition of `size` elements holding elements span of the concatenated pieces, zero-padded."""
+    lo, hi = span
+    out = torch.zeros(size, dtype=pieces[0].dtype, device=device)
+    if hi > lo:
+        out[: hi - lo] = window(pieces, lo, hi)
+    return out
+
+
+def _unpadded_group_state(saved: dict, group: int) -> dict:
+    """One saved rank's optimizer state for a parameter group, its partition tensors without the padding
+    DeepSpeed adds to the last rank (the base optimizer's own state_dict, as DeepSpeed saves by default)."""
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS
+
+    base = saved[BASE_OPTIMIZER_STATE]
+    lean = saved[SINGLE_PARTITION_OF_FP32_GROUPS][group].numel()
+    state = base["state"].get(base["param_groups"][group]["params"][0], {})
+    return {k: v.reshape(-1)[:lean] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in state.items()}
+
+
+def repartition(optimizer, files: Sequence[Path], rank: int, world: int) -> None:
+    """Load ZeRO-1/2 partitions written by a world of `len(files)` ranks into `optimizer` (a DeepSpeed ZeRO
+    optimizer built for `world` ranks): fp32 master weights and every per-element optimizer state, exact.
+
+    A group's partitions, without their padding, concatenate to the group's flat buffer in both worlds
+    (padding only ever follows the last element), so this rank's new partition is a window of the saved
+    ones. Files are memory-mapped: a rank reads only the bytes of its own window."""
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        OPTIMIZER_STATE_DICT,
+        PARAM_ALIGNMENT_PADDINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
+
+    saved = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT] for f in files]
+    if not all(isinstance(sd[BASE_OPTIMIZER_STATE], dict) for sd in saved):
+        raise RuntimeError("ZeRO partitions saved with zero_optimization.elastic_checkpoint cannot change world size")
+    aligned = [any(p) for sd in saved for p in sd.get(PARAM_ALIGNMENT_PADDINGS) or []]
+    if any(aligned) or any(any(p) for p in getattr(optimizer, "round_robin_bit16_padding", [])):
+        raise RuntimeError("ZeRO partitions with per-parameter alignment padding cannot change world size")
+    optimizer._load_global_state(saved[0])  # loss scaler, overflow flag, clip setting: the same on every rank
+    inner = optimizer.optimizer
+    for g, fp32 in enumerate(optimizer.single_partition_of_fp32_groups):
+        pieces = [sd[SINGLE_PARTITION_OF_FP32_GROUPS][g] for sd in saved]
+        total = sum(p.numel() for p in pieces)
+        expected = sum(p.numel() for p in optimizer.bit16_groups[g])
+        if total != expected:
+            raise RuntimeError(f"parameter group {g}: the checkpoint holds {total} elements, the model {expected}")
+        size = fp32.numel()  # every rank's partition has this size; the last one ends in padding
+        span = (rank * size, min((rank + 1) * size, total))
+        fp32.data.copy_(_partition(pieces, span, size, fp32.device))
+        states = [_unpadded_group_state(sd, g) for sd in saved]
+        param = inner.param_groups[g]["params"][0]
+        # The hyperparameters as saved: the learning rate is the one the scheduler set for the next step.
+        hyper = saved[0][BASE_OPTIMIZER_STATE]["param_groups"][g]
+        inner.param_groups[g].update({k: v for k, v in hyper.items() if k != "params"})
+        inner.state[param] = {
+            key: _partition([s[key] for s in states], span, size, param.device)
+            if torch.is_tensor(value) and value.dim() > 0
+            else (value.clone() if torch.is_tensor(value) else value)  # the step count: the same on every rank
+            for key, value in states[0].items()
+        }  # fmt: skip
+    if hasattr(optimizer, "_link_all_hp_params"):
+        optimizer._link_all_hp_params()

@@ -1,0 +1,36 @@
+"""The global batch kept across world sizes by gradient accumulation (trainer.globalBatchSize)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sharded_trainer.config import TrainingSpec, accumulation_for, describe_batch
+
+
+@pytest.mark.parametrize(
+    ("micro", "accum", "global_batch", "world", "expected"),
+    [
+        (4, 1, None, 4, (1, 16)),  # no global batch: the config's own accumulation
+        (4, 3, None, 2, (3, 24)),
+        (4, 1, 16, 4, (1, 16)),
+        (4, 1, 16, 2, (2, 16)),  # half the processes, twice the accumulation
+        (4, 1, 16, 1, (4, 16)),
+        (2, 1, 12, 3, (2, 12)),
+        (4, 1, 16, 3, (1, 12)),  # 12 is nearer 16 than 24
+        (4, 1, 20, 3, (2, 24)),  # 24 is nearer 20 than 12
+        (4, 1, 18, 3, (1, 12)),  # a tie: the smaller batch, less time per step
+        (4, 1, 16, 8, (1, 32)),  # more processes than the batch has room for: one micro-batch each
+        (1, 1, 1_048_576, 1, (1024, 1024)),  # bounded by gradAccumSteps' own limit
+    ],
+)
+def test_accumulation_keeps_the_global_batch_or_the_nearest_one(micro, accum, global_batch, world, expected):
+    spec = TrainingSpec(micro_batch_size=micro, grad_accum_steps=accum, global_batch_size=global_batch)
+    assert accumulation_for(spec, world) == expected
+
+
+def test_the_setting_says_when_the_batch_is_not_the_one_asked_for():
+    spec = TrainingSpec(micro_batch_size=4, global_batch_size=16)
+    assert describe_batch(spec, 2) == "global batch 16 (4 x 2 accumulated x 2 processes)"
+    assert describe_batch(spec, 3) == (
+        "global batch 12 (4 x 1 accumulated x 3 processes), the nearest to globalBatchSize 16 that 3 processes allow"
+    )

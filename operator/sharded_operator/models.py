@@ -93,6 +93,13 @@ SPEC_RULES = (
         good=({"scheduling": {"gang": {"enabled": True}}},),
         bad=({"scheduling": {"gang": {"enabled": True}}, "elastic": {"minNodes": 1, "maxNodes": 2}},),
     ),
+    Rule(
+        "scheduling.queueName",
+        "Kueue admits a job as one workload of a fixed size: it cannot be combined with elastic",
+        Has("scheduling.queueName").implies(~Has("elastic")),
+        good=({"scheduling": {"queueName": "team-a"}}, {"elastic": {"minNodes": 1, "maxNodes": 2}}),
+        bad=({"scheduling": {"queueName": "team-a"}, "elastic": {"minNodes": 1, "maxNodes": 2}},),
+    ),
 )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Resuming at another world size: ZeRO-2's partitioned optimizer state cut anew for the new world (exact,
-both ways: 4 ranks -> 2 and 2 -> 3), and the global batch kept by gradient accumulation, so the loss curve
-of a resized run continues the one it left."""
+both ways: 4 ranks -> 2 in fp32 and 2 -> 3 in bf16), and the global batch kept by gradient accumulation, so
+the loss curve of a resized run continues the one it left."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from helpers.torchrun_jobs import ROOT, run_job, write_config
 from sharded_trainer.checkpoint import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
+W2 = {"strategy.type": "zero2", "microBatchSize": 2, "globalBatchSize": 12, "precision": "bf16"}
 RELOAD = [str(ROOT / "tests" / "helpers" / "load_and_probe.py")]
 
 
@@ -23,7 +24,8 @@ def zero2_state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
     name (written for this test: it shares nothing with the trainer's repartitioning)."""
     folder = directory / "zero2"
     model = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    files = sorted(folder.glob("zero_pp_rank_*_optim_states.pt"), key=lambda f: int(f.name.split("_")[3]))
+    files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"),  # bf16_zero_pp_rank_... under bf16
+                   key=lambda f: int(f.name.removeprefix("bf16_").split("_")[3]))  # fmt: skip
     parts = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
     out: dict[str, dict[str, torch.Tensor]] = {"weights": {k: v.float() for k, v in model["module"].items()}}
     steps = set()
@@ -76,9 +78,10 @@ def resume_from(source: Path, step: int, into: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def world2_zero2(tmp_path_factory):
-    """1 agent x 2 processes, micro-batch 2, global batch 12 (accumulating 3), 20 steps."""
+    """1 agent x 2 processes, micro-batch 2, global batch 12 (accumulating 3), 20 steps, in bf16: the
+    saved module weights are bf16 and the fp32 masters live only in the partitions."""
     tmp = tmp_path_factory.mktemp("w2-zero2")
-    config = write_config(tmp, **{"strategy.type": "zero2", "microBatchSize": 2, "globalBatchSize": 12})
+    config = write_config(tmp, **W2)
     run = run_job(tmp, config, nodes=1)
     assert run.returncodes == [0], run.output[-3000:]
     assert event(run, "batch") == {"global_batch": 12, "grad_accum_steps": 3, "world": 2}
@@ -121,16 +124,15 @@ def test_a_world_of_4_resumed_on_2_keeps_the_batch_and_continues_the_loss(strate
 def test_a_zero2_world_of_2_resumed_on_3_keeps_the_batch_and_continues_the_loss(world2_zero2, tmp_path):
     source, _, reference = world2_zero2
     root = resume_from(source / "ckpt", 10, tmp_path)
-    config = write_config(tmp_path, **{"strategy.type": "zero2", "microBatchSize": 2, "globalBatchSize": 12,
-                                       "checkpoint.dir": str(root)})  # fmt: skip
+    config = write_config(tmp_path, **W2, **{"checkpoint.dir": str(root)})
     run = run_job(tmp_path, config, nodes=3, procs=1)
     assert run.returncodes == [0, 0, 0], run.output[-3000:]
     assert event(run, "resumed")["from_world"] == 2
     assert event(run, "batch") == {"global_batch": 12, "grad_accum_steps": 2, "world": 3}
     ref, got = reference.losses(), run.losses()
     assert sorted(got) == list(range(11, 21))
-    for step in got:
-        assert got[step] == pytest.approx(ref[step], rel=2e-4), (step, got[step], ref[step])
+    for step in got:  # bf16 compute: each micro-batch's rounding differs with the grouping
+        assert got[step] == pytest.approx(ref[step], rel=1e-2), (step, got[step], ref[step])
 
 
 def test_a_world_the_global_batch_does_not_divide_takes_the_nearest_batch_and_says_so(world4_run, tmp_path):

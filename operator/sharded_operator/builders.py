@@ -231,7 +231,7 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
         PodEnv.RDZV_ENDPOINT: rendezvous_endpoint(job),
         PodEnv.RDZV_ID: f"{job.metadata.get('uid', _name(job))}-{attempt}",
         PodEnv.RDZV_CONF: f"join_timeout={s.rendezvous.timeout_seconds}",
-        PodEnv.MAX_RESTARTS: str(s.elastic.max_restarts if s.elastic else 0),
+        PodEnv.MAX_RESTARTS: str(s.elastic.max_restarts if s.elastic else s.failure_policy.in_place_restarts),
         PodEnv.MASTER_ADDR: rendezvous_host(job),
         PodEnv.MASTER_PORT: str(port),
         PodEnv.JOB_NAME: _name(job),

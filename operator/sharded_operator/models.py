@@ -218,6 +218,9 @@ class Progress(StatusModel):
     mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs).")
     updated_at: str | None = Field(None, description="When rank 0 wrote this report, by its own clock (RFC 3339).")
     attempt: int | None = Field(None, ge=0, description="Attempt the report came from.")
+    restart: int | None = Field(
+        None, ge=0, description="In-place restarts of the attempt's workers before the reporting run."
+    )
     observed_at: str | None = Field(
         None, description="When the operator first saw this report (its clock; hang detection counts from here)."
     )
@@ -266,6 +269,10 @@ class ShardedTrainingJobStatus(StatusModel):
     restarts: int = Field(0, description="Gang restarts so far (counted against backoffLimit).")
     disruptions: int = Field(
         0, description="Restarts caused by disruptions (evictions, preemption, node loss), not counted as failures."
+    )
+    in_place_restarts: int = Field(
+        0, description="Worker restarts inside running pods (failurePolicy.inPlaceRestarts), over every attempt; no "
+        "pod was recreated for them.",
     )
     progress: Progress | None = Field(None, description="Live training progress.")
     last_checkpoint: CheckpointStatus | None = Field(None, description="Newest complete checkpoint.")

@@ -28,7 +28,7 @@ from sharded_operator.views import controller_uid
 from sharded_trainer.contract import ProgressReport, TrainerEventType
 
 # Status fields only reports write; reconcile leaves them alone (its patch never names them).
-_WRITTEN = ("progress", "last_checkpoint", "resumed_from", "last_trainer_event")
+_WRITTEN = ("progress", "last_checkpoint", "resumed_from", "last_trainer_event", "in_place_restarts")
 REPORT_FIELDS = tuple(ShardedTrainingJobStatus.model_fields[n].alias or n for n in _WRITTEN)
 MAX_TOKEN_BYTES = 8192
 # Claims the API server puts into a token bound to a pod (and returns as `extra` of a TokenReview).
@@ -133,12 +133,17 @@ def merge_report(
     old = status.progress
     same = old is not None and (old.attempt, old.step, old.updated_at) == (report.attempt, report.step,
                                                                            report.updated_at)  # fmt: skip
+    # torchrun's restart count only grows within an attempt; a late report of an earlier run says less.
+    before = (old.restart or 0) if old is not None and old.attempt == report.attempt else 0
+    restart = max(report.restart or 0, before)
     progress = Progress(
         step=report.step, total_steps=report.total_steps, loss=report.loss, tokens_per_second=report.tokens_per_second,
-        mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt,
+        mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt, restart=restart,
         observed_at=old.observed_at if same and old else now,
     )  # fmt: skip
     patch: dict[str, Any] = {"progress": progress}
+    if restart > before:
+        patch["in_place_restarts"] = status.in_place_restarts + restart - before
     if report.last_checkpoint:
         patch["last_checkpoint"] = CheckpointStatus.model_validate(report.last_checkpoint.model_dump())
     seen = acknowledged(status, report)
@@ -151,7 +156,11 @@ def merge_report(
     if new:
         patch["last_trainer_event"] = TrainerEventCursor(attempt=report.attempt, run=report.run, seq=new[-1].seq)
     names = ShardedTrainingJobStatus.model_fields
-    dump = {names[k].alias or k: v.model_dump(by_alias=True, exclude_none=True, mode="json") for k, v in patch.items()}
+    dump = {
+        names[k].alias or k: v.model_dump(by_alias=True, exclude_none=True, mode="json") if hasattr(v, "model_dump")
+        else v
+        for k, v in patch.items()
+    }  # fmt: skip
     return dump, events
 
 

@@ -203,6 +203,13 @@ class FailurePolicy(ApiModel):
         ),
     )  # fmt: skip
     backoff_limit: int = Field(3, ge=0, le=1000, description="Gang restarts allowed before the job fails.")
+    in_place_restarts: int = Field(
+        0, ge=0, le=100,
+        description="Worker restarts inside the running pods before a failure restarts the gang: when a trainer "
+        "process fails, torchrun restarts every node's workers at a new rendezvous round, which resume from the "
+        "newest checkpoint, and no pod is recreated. A pod that dies still restarts the gang. Counted in "
+        "status.inPlaceRestarts, not against backoffLimit. With elastic, elastic.maxRestarts applies instead.",
+    )  # fmt: skip
     permanent_exit_codes: list[ExitCodeValue] = Field(
         # pydantic copies mutable defaults per instance; a literal lands in the CRD
         [int(ExitCode.INVALID_CONFIG), int(ExitCode.INCOMPATIBLE_CHECKPOINT)],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,43 @@ def test_killed_pod_process_restarts_the_gang_and_resumes_from_the_newest_checkp
     assert failure["pod"] == f"{name}-1" and failure["nodeRank"] == 1 and failure["exitCode"] == 137
     resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
     assert resumed and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0
+    assert status["progress"]["step"] == 80 and jobs.checkpoints(name)[-1] == 80
+
+
+def trainer_workers(run) -> list[int]:
+    """The torchrun workers of a pod run as processes: in its network namespace, neither the launcher nor
+    torchrun itself."""
+    pids = subprocess.run(["ip", "netns", "pids", run.netns], capture_output=True, text=True).stdout.split()
+    workers = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"sharded_trainer" in argv and not {b"sharded_trainer.launch", b"torch.distributed.run"} & set(argv):
+            workers.append(int(pid))
+    return workers
+
+
+def test_a_killed_worker_is_restarted_in_place_and_no_pod_is_recreated(jobs, stack):
+    """failurePolicy.inPlaceRestarts: torchrun restarts every node's workers at a new rendezvous round, they
+    resume from the newest checkpoint, the pods (and their UIDs) stay, and status counts the restart apart."""
+    name = "e2e-inplace"
+    jobs.create(job(name, steps=80, failurePolicy={"backoffLimit": 2, "inPlaceRestarts": 2}))
+    jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
+    pods = f"/api/v1/namespaces/{NS}/pods?labelSelector=training.sharded.dev/job-name={name}"
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in stack.cluster.api("GET", pods)["items"]}
+    assert sorted(uids) == [f"{name}-0", f"{name}-1"]
+    victim = next(r for r in jobs.runs(name) if r.name == f"{name}-1")
+    workers = trainer_workers(victim)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)  # one trainer process, not the pod
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["restarts"] == 0 and status["attempt"] == 1 and status["inPlaceRestarts"] == 1
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in stack.cluster.api("GET", pods)["items"]} == uids
+    resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
+    assert len(resumed) == 1 and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0
     assert status["progress"]["step"] == 80 and jobs.checkpoints(name)[-1] == 80
 
 

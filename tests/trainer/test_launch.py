@@ -16,6 +16,7 @@ from helpers.torchrun_jobs import ROOT, write_config
 from localcluster import free_port
 from sharded_trainer.checkpoint import committed_steps
 from sharded_trainer.contract import ExitCode, PodEnv
+from sharded_trainer.launch import children
 
 pytestmark = pytest.mark.trainer
 
@@ -79,6 +80,43 @@ def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], out[-3000:]
     assert proc.returncode == ExitCode.PREEMPTED, out[-3000:]
+
+
+def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_newest_checkpoint(tmp_path):
+    """failurePolicy.inPlaceRestarts: torchrun restarts the workers inside the pod (the launcher, as PID 1,
+    never exits), they resume from the newest checkpoint, and the report says which restart this is."""
+    config = write_config(tmp_path, steps=40, **{"checkpoint.interval": 10})
+    proc = launch(config, {**one_node(free_port()), PodEnv.MAX_RESTARTS: "2"})
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not committed_steps(tmp_path / "ckpt"):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    [torchrun] = children(proc.pid)
+    workers = children(torchrun)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)  # no checkpoint, no goodbye
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count('"event": "started"') == 2  # the first run and the one restart
+    resumed = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if '"event": "resumed"' in line]
+    assert len(resumed) == 1 and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0
+    assert committed_steps(tmp_path / "ckpt")[-1] == 40
+    assert json.loads((tmp_path / "progress.json").read_text())["restart"] == 1
+
+
+def test_a_decision_of_the_trainer_is_not_restarted_in_place(tmp_path):
+    """An incompatible checkpoint stays incompatible: with in-place restarts on, the workers still exit once
+    and the pod's exit code is the decision's, not torchrun's 1."""
+    config = write_config(tmp_path, steps=5, **{"checkpoint.interval": 5})
+    first = subprocess.run([sys.executable, "-m", "sharded_trainer", "--config", str(config)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stdout[-2000:]
+    other = write_config(tmp_path / "other", steps=10, **{"model.vocabSize": 512,
+                                                          "checkpoint.dir": str(tmp_path / "ckpt")})  # fmt: skip
+    proc = launch(other, {**one_node(free_port()), PodEnv.MAX_RESTARTS: "3"})
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == ExitCode.INCOMPATIBLE_CHECKPOINT, out[-3000:]
+    assert out.count('"event": "started"') == 1 and out.count('"event": "incompatible"') == 1, out[-3000:]
 
 
 def test_an_old_writer_that_wakes_up_after_a_newer_one_started_cannot_commit(tmp_path):

@@ -120,6 +120,14 @@ def test_elastic_job_passes_a_node_range_and_restarts_to_torchrun():
     assert env["PET_NNODES"] == "2:4" and env["PET_MAX_RESTARTS"] == "5"
 
 
+def test_in_place_restarts_reach_torchrun_and_elastic_keeps_its_own():
+    job = make_job().nodes(2).spec("failurePolicy", {"inPlaceRestarts": 3}).model()
+    assert env_of(builders.build_pod(job, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "3"
+    both = make_job().nodes(3).spec("failurePolicy", {"inPlaceRestarts": 3})
+    both = both.spec("elastic", {"minNodes": 2, "maxNodes": 4, "maxRestarts": 5}).model()
+    assert env_of(builders.build_pod(both, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "5"
+
+
 def test_scheduling_knobs_kueue_and_volcano_gang():
     job = (
         make_job().nodes(4)

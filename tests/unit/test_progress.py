@@ -188,6 +188,27 @@ def test_the_same_report_seen_again_keeps_its_first_sighting():
     assert newer["progress"]["observedAt"] == later
 
 
+def test_in_place_restarts_are_counted_once_each_over_every_attempt():
+    """torchrun's restart count of the reporting run: each new count adds to status.inPlaceRestarts once; a
+    late report of an earlier run (a lower count) takes nothing back; a new attempt counts from 0 again."""
+    first, _ = merge_report(status(inPlaceRestarts=2), report(step=5), iso(NOW))
+    assert "inPlaceRestarts" not in first and first["progress"]["restart"] == 0
+    restarted, _ = merge_report(status(inPlaceRestarts=2, progress=first["progress"]), report(step=3, restart=1),
+                                iso(NOW))  # fmt: skip
+    assert restarted["inPlaceRestarts"] == 3 and restarted["progress"]["restart"] == 1
+    again, _ = merge_report(status(inPlaceRestarts=3, progress=restarted["progress"]), report(step=4, restart=1),
+                            iso(NOW))  # fmt: skip
+    assert "inPlaceRestarts" not in again  # the same restart reported again
+    late, _ = merge_report(status(inPlaceRestarts=3, progress=again["progress"]), report(step=6, restart=0, run="r0"),
+                           iso(NOW))  # fmt: skip
+    assert "inPlaceRestarts" not in late and late["progress"]["restart"] == 1
+    twice, _ = merge_report(status(inPlaceRestarts=3, progress=late["progress"]), report(step=4, restart=3), iso(NOW))
+    assert twice["inPlaceRestarts"] == 5
+    next_attempt = status(attempt=2, inPlaceRestarts=5, progress=twice["progress"])
+    fresh, _ = merge_report(next_attempt, report(attempt=2, step=1, restart=1), iso(NOW))
+    assert fresh["inPlaceRestarts"] == 6  # the new attempt's first restart, not the old attempt's three again
+
+
 # --- bounded state -------------------------------------------------------------------------------
 
 

@@ -57,6 +57,8 @@ class WorkerEnv(StrEnum):
     NODE_RANK = "NODE_RANK"
     LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
     GROUP_RANK = "GROUP_RANK"
+    RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # how many times torchrun has restarted the workers
+    USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": MASTER_ADDR:PORT is the agent's store
 
 
 # Variables torchrun and the operator own; a user value would break the rendezvous.
@@ -196,6 +198,9 @@ class TrainingProgress(Wire):
         None, description="Model FLOPs utilisation, 0 to 1."
     )
     last_checkpoint: CheckpointRef | None = Field(None, description="Newest committed checkpoint.")
+    restart: Annotated[int, Field(ge=0, le=1000)] | None = Field(
+        None, description="Times torchrun has restarted the workers in place before this run (0: the first run)."
+    )
     updated_at: IsoTime = Field(..., description="When the trainer wrote this (its own clock).")
 
 

@@ -122,22 +122,35 @@ class Stop:
             self.torchrun.send_signal(signum)
 
 
+# Exits the trainer decides on, every rank alike: torchrun must not restart the workers over them (its
+# in-place restarts are for failures; a restart would only decide the same again).
+DECISIONS = frozenset({ExitCode.INVALID_CONFIG, ExitCode.INCOMPATIBLE_CHECKPOINT, ExitCode.PREEMPTED, ExitCode.FENCED})
+
+
 def record_exit(code: int) -> int:
-    """In a worker: leave this rank's exit code where the launcher reads it (torchrun itself only says 1)."""
+    """In a worker: leave this rank's exit code where the launcher reads it (torchrun itself only says 1).
+    Where torchrun may restart workers in place, a decision then exits 0 to torchrun, and the launcher
+    passes the recorded code on (without restarts, torchrun's failure path is left as it always was)."""
     exit_dir = os.environ.get(PodEnv.EXIT_DIR)
     if exit_dir:
         rank = os.environ.get(WorkerEnv.RANK, "0")
         Path(exit_dir, f"rank-{rank}").write_text(str(code))
+        restarts = os.environ.get(PodEnv.MAX_RESTARTS, "0")
+        if code in DECISIONS and restarts.isdigit() and int(restarts) > 0:
+            return ExitCode.OK
     return code
 
 
 def exit_code(torchrun_rc: int, exit_dir: Path) -> int:
-    """The pod's exit code: the workers' own where they agree, else torchrun's."""
+    """The pod's exit code: the workers' own where they agree, else torchrun's (or, when torchrun saw only
+    successes, the decision some rank recorded)."""
     codes = [int(p.read_text() or "1") for p in exit_dir.glob("rank-*")]
     if ExitCode.INVALID_CONFIG in codes:
         return ExitCode.INVALID_CONFIG
     if codes and len(set(codes)) == 1:  # e.g. every rank stopped after its final checkpoint, or was fenced
         return codes[0] if codes[0] else torchrun_rc
+    if torchrun_rc == 0 and any(codes):
+        return max(codes)
     return torchrun_rc
 
 

@@ -31,6 +31,7 @@ from sharded_trainer.contract import (
     TrainerEvent,
     TrainerEventType,
     TrainingProgress,
+    WorkerEnv,
     iso,
 )
 
@@ -60,7 +61,10 @@ class ProgressReporter:
     def __init__(self, target: ReportTarget | None, *, total_steps: int, path: str | None = None):
         self.target, self.path = target, Path(path) if path else None
         self.run = uuid.uuid4().hex[:12]  # tells this process's events from a restarted one's
-        self.progress: dict[str, Any] = {"step": 0, "total_steps": total_steps}
+        # torchrun's count of in-place restarts: the operator counts them in status.inPlaceRestarts.
+        restart = os.environ.get(WorkerEnv.RESTART_COUNT, "0")
+        self.progress: dict[str, Any] = {"step": 0, "total_steps": total_steps,
+                                         "restart": int(restart) if restart.isdigit() else None}  # fmt: skip
         self.events: list[TrainerEvent] = []
         self._seq = 0
         self._lock = threading.Lock()  # events: appended by training, acknowledged by the posting thread

@@ -33,6 +33,7 @@ GAUGES = {
     "checkpoint_age_seconds": "Seconds since the newest complete checkpoint was committed",
     "restarts": "Gang restarts counted against the backoff limit",
     "disruptions": "Restarts caused by disruptions (evictions, preemption, node loss)",
+    "in_place_restarts": "Worker restarts inside running pods, no pod recreated",
     "attempt": "Current attempt",
 }
 PHASE_METRIC = PREFIX + "phase"
@@ -55,7 +56,7 @@ def row_of(namespace: str, job: str, status: ShardedTrainingJobStatus) -> Row:
         "step": p and p.step, "total_steps": p and p.total_steps, "loss": p and p.loss,
         "tokens_per_second": p and p.tokens_per_second, "mfu": p and p.mfu,
         "checkpoint_step": ckpt and ckpt.step, "restarts": status.restarts, "disruptions": status.disruptions,
-        "attempt": status.attempt,
+        "in_place_restarts": status.in_place_restarts, "attempt": status.attempt,
     }  # fmt: skip
     when = parse_iso(ckpt.time) if ckpt is not None and ckpt.time else None
     return Row(namespace, job, status.phase, values, when.timestamp() if when else None)

@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.deps
 
-.PHONY: help lock setup binaries images test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
+.PHONY: help lock setup binaries images deps test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
 
 help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
@@ -47,7 +47,12 @@ crds: setup
 	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/files/crds/
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
 
-test: setup binaries images lint
+# On a new machine the control plane compiles (CPU-bound) while the Python set-up and the images download
+# and install (network and disk): side by side they take the longer of the two, not the sum.
+deps:
+	@$(MAKE) --no-print-directory -j2 binaries images
+
+test: deps lint
 	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~32 min"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
 

@@ -155,7 +155,14 @@ def test_the_operator_image_serves_healthz_and_reconciles_with_the_charts_token(
             except OSError:
                 return False
 
-        wait_for(healthy, timeout=60, what="the operator image's /healthz")
+        def logs() -> str:
+            out = subprocess.run(["docker", "logs", name], capture_output=True, text=True)
+            return (out.stdout + out.stderr)[-3000:]
+
+        if not wait_for(lambda: healthy() or subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", name],
+                                                           capture_output=True, text=True).stdout.strip() != "true",
+                        timeout=60, what="the operator image's /healthz") or not healthy():  # fmt: skip
+            pytest.fail(f"the operator container exited:\n{logs()}")
         user = subprocess.run(["docker", "exec", name, "id", "-u"], capture_output=True, text=True, check=True)
         assert user.stdout.strip() == "65532"
         body = make_job("in-image").nodes(2).gpus(2).obj()
@@ -168,9 +175,7 @@ def test_the_operator_image_serves_healthz_and_reconciles_with_the_charts_token(
         jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}"
         wait_for(lambda: not any(j["metadata"]["name"] == "in-image" for j in release.api("GET", jobs)["items"]),
                  timeout=60, what="job deleted")  # fmt: skip
-        out = subprocess.run(["docker", "logs", name], capture_output=True, text=True)
-        logs = out.stdout + out.stderr
-        assert not re.search(r"Forbidden|\b403\b", logs), logs[-3000:]
+        assert not re.search(r"Forbidden|\b403\b", logs()), logs()
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
 

@@ -58,7 +58,6 @@ class WorkerEnv(StrEnum):
     LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
     GROUP_RANK = "GROUP_RANK"
     RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # how many times torchrun has restarted the workers
-    USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": MASTER_ADDR:PORT is the agent's store
 
 
 # Variables torchrun and the operator own; a user value would break the rendezvous.

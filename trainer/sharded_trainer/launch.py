@@ -122,6 +122,7 @@ class Stop:
             self.torchrun.send_signal(signum)
 
 
+SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torchrun's own opt-out; a pod's env may set it back
 # Exits the trainer decides on, every rank alike: torchrun must not restart the workers over them (its
 # in-place restarts are for failures; a restart would only decide the same again).
 DECISIONS = frozenset({ExitCode.INVALID_CONFIG, ExitCode.INCOMPATIBLE_CHECKPOINT, ExitCode.PREEMPTED, ExitCode.FENCED})
@@ -187,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
 
     target = command or ["-m", "sharded_trainer", "--config", args.config]
     with tempfile.TemporaryDirectory(prefix="sharded-exit-") as exit_dir:
-        env = {**os.environ, PodEnv.EXIT_DIR: exit_dir}
+        # A process-group store per rendezvous round, hosted by rank 0's worker: the store torchrun shares
+        # by default is made once and handed, unprefixed, to every in-place restart, whose workers then
+        # read the addresses the dead ones published and never connect (torch 2.11, under gloo).
+        env = {SHARE_STORE: "1", **os.environ, PodEnv.EXIT_DIR: exit_dir}
         rc = stop.run([sys.executable, "-m", "torch.distributed.run", *target], env)
         code = exit_code(rc, Path(exit_dir))
     log(f"torchrun exited {rc}; exiting {code}")

@@ -61,25 +61,13 @@ def init_distributed(requested_backend: str, timeout_s: float = 600) -> DistEnv:
         device = torch.device("cpu")
     # DeepSpeed picks its accelerator at import time from this variable.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
-    kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get(WorkerEnv.USE_AGENT_STORE) == "True":
-        kwargs["store"] = restart_store(world, timeout)
-    dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world, **kwargs)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend=backend, timeout=datetime.timedelta(seconds=timeout_s), rank=rank, world_size=world, **kwargs
+    )
     return DistEnv(
         rank=rank, local_rank=local_rank, world=world, backend=backend, device=device, local_world=local_world
     )
-
-
-def restart_store(world: int, timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's agent store, under a prefix of its own for each in-place restart. torchrun hands every restart
-    the same store and no prefix (it assumes a new store per restart), so without one the restarted workers
-    read the addresses the dead ones published and their process group never connects."""
-    restart = os.environ.get(WorkerEnv.RESTART_COUNT, "0")
-    agent = dist.TCPStore(
-        os.environ[PodEnv.MASTER_ADDR], int(os.environ[PodEnv.MASTER_PORT]), world, is_master=False, timeout=timeout
-    )
-    return dist.PrefixStore(f"/sharded/restart-{restart}", agent)
 
 
 def any_true(flag: bool, device: torch.device, group=None) -> bool:

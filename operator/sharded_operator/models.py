@@ -218,9 +218,8 @@ class Progress(StatusModel):
     mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs).")
     updated_at: str | None = Field(None, description="When rank 0 wrote this report, by its own clock (RFC 3339).")
     attempt: int | None = Field(None, ge=0, description="Attempt the report came from.")
-    restart: int | None = Field(
-        None, ge=0, description="In-place restarts of the attempt's workers before the reporting run."
-    )
+    run: str | None = Field(None, description="The reporting trainer process (a new one after each in-place restart).")
+    restart: int | None = Field(None, ge=0, description="torchrun's restart count on the reporting node.")
     observed_at: str | None = Field(
         None, description="When the operator first saw this report (its clock; hang detection counts from here)."
     )

@@ -25,7 +25,7 @@ from sharded_operator.models import (
     TrainerEventCursor,
 )
 from sharded_operator.views import controller_uid
-from sharded_trainer.contract import ProgressReport, TrainerEventType
+from sharded_trainer.contract import ProgressReport, TrainerEventType, parse_iso
 
 # Status fields only reports write; reconcile leaves them alone (its patch never names them).
 _WRITTEN = ("progress", "last_checkpoint", "resumed_from", "last_trainer_event", "in_place_restarts")
@@ -133,17 +133,14 @@ def merge_report(
     old = status.progress
     same = old is not None and (old.attempt, old.step, old.updated_at) == (report.attempt, report.step,
                                                                            report.updated_at)  # fmt: skip
-    # torchrun's restart count only grows within an attempt; a late report of an earlier run says less.
-    before = (old.restart or 0) if old is not None and old.attempt == report.attempt else 0
-    restart = max(report.restart or 0, before)
     progress = Progress(
         step=report.step, total_steps=report.total_steps, loss=report.loss, tokens_per_second=report.tokens_per_second,
-        mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt, restart=restart,
+        mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt, run=report.run, restart=report.restart,
         observed_at=old.observed_at if same and old else now,
     )  # fmt: skip
     patch: dict[str, Any] = {"progress": progress}
-    if restart > before:
-        patch["in_place_restarts"] = status.in_place_restarts + restart - before
+    if restarted_in_place(old, report):
+        patch["in_place_restarts"] = status.in_place_restarts + 1
     if report.last_checkpoint:
         patch["last_checkpoint"] = CheckpointStatus.model_validate(report.last_checkpoint.model_dump())
     seen = acknowledged(status, report)
@@ -162,6 +159,16 @@ def merge_report(
         for k, v in patch.items()
     }  # fmt: skip
     return dump, events
+
+
+def restarted_in_place(old: Progress | None, report: ProgressReport) -> bool:
+    """A new trainer process reporting for the same attempt: torchrun restarted the workers in place (every
+    node's, so rank 0's too). Counted by the process, not torchrun's restart count, which only the node whose
+    worker failed increments. A late report of an earlier process (older by the trainer's clock) is not one."""
+    if old is None or old.attempt != report.attempt or old.run in (None, report.run) or old.updated_at is None:
+        return False
+    new, before = parse_iso(report.updated_at), parse_iso(old.updated_at)
+    return new is not None and before is not None and new > before  # restarts take seconds
 
 
 def acknowledged(status: ShardedTrainingJobStatus, report: ProgressReport) -> int:

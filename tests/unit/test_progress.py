@@ -189,24 +189,27 @@ def test_the_same_report_seen_again_keeps_its_first_sighting():
 
 
 def test_in_place_restarts_are_counted_once_each_over_every_attempt():
-    """torchrun's restart count of the reporting run: each new count adds to status.inPlaceRestarts once; a
-    late report of an earlier run (a lower count) takes nothing back; a new attempt counts from 0 again."""
-    first, _ = merge_report(status(inPlaceRestarts=2), report(step=5), iso(NOW))
-    assert "inPlaceRestarts" not in first and first["progress"]["restart"] == 0
-    restarted, _ = merge_report(status(inPlaceRestarts=2, progress=first["progress"]), report(step=3, restart=1),
-                                iso(NOW))  # fmt: skip
-    assert restarted["inPlaceRestarts"] == 3 and restarted["progress"]["restart"] == 1
-    again, _ = merge_report(status(inPlaceRestarts=3, progress=restarted["progress"]), report(step=4, restart=1),
-                            iso(NOW))  # fmt: skip
-    assert "inPlaceRestarts" not in again  # the same restart reported again
-    late, _ = merge_report(status(inPlaceRestarts=3, progress=again["progress"]), report(step=6, restart=0, run="r0"),
-                           iso(NOW))  # fmt: skip
-    assert "inPlaceRestarts" not in late and late["progress"]["restart"] == 1
-    twice, _ = merge_report(status(inPlaceRestarts=3, progress=late["progress"]), report(step=4, restart=3), iso(NOW))
-    assert twice["inPlaceRestarts"] == 5
-    next_attempt = status(attempt=2, inPlaceRestarts=5, progress=twice["progress"])
-    fresh, _ = merge_report(next_attempt, report(attempt=2, step=1, restart=1), iso(NOW))
-    assert fresh["inPlaceRestarts"] == 6  # the new attempt's first restart, not the old attempt's three again
+    """A new trainer process reporting for the same attempt is one in-place restart (torchrun restarts every
+    node's workers; its own count grows only on the node that failed, here node 1, so rank 0 says 0); a
+    repeat counts nothing, nor a late report of the earlier process, nor the first run of a new attempt."""
+    later = [iso(NOW + dt.timedelta(seconds=s)) for s in range(0, 100, 10)]
+    first, _ = merge_report(status(inPlaceRestarts=2), report(step=5, updatedAt=later[0]), iso(NOW))
+    assert "inPlaceRestarts" not in first and first["progress"]["run"] == "r1"
+    restarted, _ = merge_report(status(inPlaceRestarts=2, progress=first["progress"]),
+                                report(run="r2", step=3, restart=0, updatedAt=later[1]), iso(NOW))  # fmt: skip
+    assert restarted["inPlaceRestarts"] == 3 and restarted["progress"]["run"] == "r2"
+    again, _ = merge_report(status(inPlaceRestarts=3, progress=restarted["progress"]),
+                            report(run="r2", step=4, updatedAt=later[2]), iso(NOW))  # fmt: skip
+    assert "inPlaceRestarts" not in again  # the same process again
+    late, _ = merge_report(status(inPlaceRestarts=3, progress=again["progress"]),
+                           report(run="r1", step=6, updatedAt=later[0]), iso(NOW))  # fmt: skip
+    assert "inPlaceRestarts" not in late  # the dead process's last report, arriving late
+    twice, _ = merge_report(status(inPlaceRestarts=3, progress=again["progress"]),
+                            report(run="r3", step=4, updatedAt=later[3]), iso(NOW))  # fmt: skip
+    assert twice["inPlaceRestarts"] == 4
+    next_attempt = status(attempt=2, inPlaceRestarts=4, progress=twice["progress"])
+    fresh, _ = merge_report(next_attempt, report(attempt=2, run="r4", step=1, updatedAt=later[4]), iso(NOW))
+    assert "inPlaceRestarts" not in fresh  # a new attempt's first process is a gang restart, counted apart
 
 
 # --- bounded state -------------------------------------------------------------------------------

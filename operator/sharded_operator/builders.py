@@ -21,6 +21,9 @@ from sharded_operator.models import (
     LABEL_ATTEMPT,
     LABEL_INDEX,
     LABEL_JOB,
+    LABEL_ROLE,
+    ROLE_RENDEZVOUS,
+    STORE_CONTAINER,
     ShardedTrainingJob,
 )
 from sharded_operator.pods import (
@@ -116,9 +119,28 @@ def choose_host_port(uid: str, ports: tuple[int, int], used: set[int]) -> int:
     return lo + start
 
 
+def store_pod_name(job: ShardedTrainingJob) -> str:
+    return f"{_name(job)}-rdzv"
+
+
 def rendezvous_host(job: ShardedTrainingJob) -> str:
-    """Node 0's stable DNS name through the headless Service (hostname + subdomain)."""
-    return f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc"
+    """The store pod's stable DNS name through the headless Service (hostname + subdomain)."""
+    return f"{store_pod_name(job)}.{_name(job)}.{_ns(job)}.svc"
+
+
+def rendezvous_conf(job: ShardedTrainingJob) -> str:
+    """torchrun's c10d settings. No agent hosts the store (it lives in the store pod). A node that stops
+    heartbeating leaves the round after about 6 s (every 2 s, 3 missed) instead of 15, so its replacement
+    can join; an elastic round with minNodes waits lastCallSeconds for more, not 30 s."""
+    r = job.spec.rendezvous
+    conf = {
+        "is_host": "false",
+        "join_timeout": r.timeout_seconds,
+        "last_call_timeout": r.last_call_seconds,
+        "keep_alive_interval": 2,
+        "keep_alive_max_attempt": 3,
+    }
+    return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
 def rendezvous_endpoint(job: ShardedTrainingJob) -> str:
@@ -230,9 +252,9 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
         PodEnv.RDZV_BACKEND: "c10d",
         PodEnv.RDZV_ENDPOINT: rendezvous_endpoint(job),
         PodEnv.RDZV_ID: f"{job.metadata.get('uid', _name(job))}-{attempt}",
-        PodEnv.RDZV_CONF: f"join_timeout={s.rendezvous.timeout_seconds}",
+        PodEnv.RDZV_CONF: rendezvous_conf(job),
         PodEnv.MAX_RESTARTS: str(s.elastic.max_restarts if s.elastic else s.failure_policy.in_place_restarts),
-        PodEnv.MASTER_ADDR: rendezvous_host(job),
+        PodEnv.MASTER_ADDR: f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc",
         PodEnv.MASTER_PORT: str(port),
         PodEnv.JOB_NAME: _name(job),
         PodEnv.JOB_NAMESPACE: _ns(job),
@@ -284,6 +306,55 @@ def _resources(job: ShardedTrainingJob) -> dict[str, Any]:
     if r.memory_limit is not None:
         limits["memory"] = str(r.memory_limit)
     return {"requests": amounts, "limits": limits} if limits else {}
+
+
+# Importing torch for its TCPStore takes about 0.5 GiB; the store itself holds a few keys per node.
+STORE_RESOURCES = {"cpu": "250m", "memory": "1Gi"}
+
+
+def build_store_pod(job: ShardedTrainingJob, settings: OperatorSettings) -> dict[str, Any]:
+    """The rendezvous store: torchrun's c10d TCPStore in a small pod of its own, one per job, serving every
+    attempt (each has its own rendezvous id). No training pod's death takes it with it, so a lost pod is
+    replaced alone; losing the store restarts the gang. It asks for no GPU and joins no gang or queue, but
+    keeps the job's node selection, tolerations and priority so it can run wherever the job may."""
+    s = job.spec
+    port = rendezvous_port(job)
+    container: dict[str, Any] = {
+        "name": STORE_CONTAINER,
+        "image": s.image,
+        "command": ["python", "-m", "sharded_trainer.store", "--port", str(port)],
+        "ports": [{"name": "rendezvous", "containerPort": port}],
+        "resources": {"requests": dict(STORE_RESOURCES), "limits": dict(STORE_RESOURCES)},
+        "securityContext": restricted({"drop": ["ALL"]}),
+    }
+    if s.pod.image_pull_policy:
+        container["imagePullPolicy"] = s.pod.image_pull_policy
+    sched = s.scheduling
+    spec: dict[str, Any] = {
+        "hostname": store_pod_name(job),
+        "subdomain": _name(job),
+        "restartPolicy": "Never",  # a restarted store would have lost every agent's state
+        "terminationGracePeriodSeconds": 5,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "securityContext": pod_security(settings.pod_uid),
+    }
+    optional = {
+        "nodeSelector": sched.node_selector or None,
+        "tolerations": sched.tolerations or None,
+        "priorityClassName": sched.priority_class_name,
+        "serviceAccountName": s.pod.service_account_name,
+        "imagePullSecrets": [{"name": n} for n in s.pod.image_pull_secrets],
+    }
+    spec.update({k: v for k, v in optional.items() if v})
+    labels = {**s.pod.labels, **job_labels(job), LABEL_ROLE: ROLE_RENDEZVOUS}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": store_pod_name(job), "labels": labels, "annotations": dict(s.pod.annotations)},
+        "spec": spec,
+    }
 
 
 def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSettings) -> dict[str, Any]:
@@ -364,7 +435,7 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
     spec: dict[str, Any] = {
         "hostname": pod_name(job, index),
         "subdomain": _name(job),
-        "restartPolicy": "Never",  # the operator restarts the whole gang, never one pod
+        "restartPolicy": "Never",  # the operator replaces a failed pod (alone or with its gang), never restarts it
         "terminationGracePeriodSeconds": termination_grace(job, settings),
         "enableServiceLinks": False,
         # Training needs no API access: progress goes to the operator over HTTP, not through the API.

@@ -14,6 +14,7 @@ from sharded_operator.builders import pod_name
 from sharded_operator.models import (
     ConditionType,
     FailureInfo,
+    InPlaceRecovery,
     Phase,
     ShardedTrainingJob,
     ShardedTrainingJobStatus,
@@ -22,16 +23,26 @@ from sharded_operator.views import POD_FINISHED, Observed
 from sharded_trainer.contract import ExitCode, iso, parse_iso
 
 # Reasons of failures that are disruptions whatever their exit code.
-DISRUPTION_REASONS = frozenset({"NodeLost", "Evicted", "DisruptionTarget", "Preempted"})
+DISRUPTION_REASONS = frozenset({"NodeLost", "Evicted", "DisruptionTarget", "Preempted", "RendezvousLost"})
+# Failures of the whole gang, never of one pod: no replacement of a pod alone recovers from them.
+GANG_REASONS = frozenset({"Hang", "StartupTimeout", "RendezvousLost", "InPlaceRecoveryTimeout"})
 # How long a vanished pod waits for its deletion event (which says why it went) before it counts anyway.
 MISSING_GRACE_SECONDS = 5
 
 
+def recovery_of(status: ShardedTrainingJobStatus) -> InPlaceRecovery | None:
+    """The in-place recovery of the current attempt, if any (one of an earlier attempt is void)."""
+    rec = status.recovery
+    return rec if rec is not None and rec.attempt == status.attempt else None
+
+
 def _missing_indices(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed) -> list[int]:
+    """Indices of the current attempt with no pod, but those whose replacement the operator has yet to create."""
     if status.phase not in (Phase.STARTING, Phase.RUNNING):
         return []
     present = {p.index for p in obs.pods if p.attempt == status.attempt}
-    return [i for i in range(job.spec.nodes) if i not in present]
+    pending = set(rec.pending) if (rec := recovery_of(status)) else set()
+    return [i for i in range(job.spec.nodes) if i not in present and i not in pending]
 
 
 def missing_pods(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed) -> list[str]:
@@ -58,7 +69,9 @@ def current_failures(
 ) -> list[FailureInfo]:
     """Every sign that the current attempt is broken, one per pod, each with the time it happened."""
     ts = iso(now)
-    current = [p for p in obs.pods if p.attempt == status.attempt]
+    retired = set(rec.retired) if (rec := recovery_of(status)) else set()
+    # A pod already replaced alone is going away on purpose: its failure has been handled.
+    current = [p for p in obs.pods if p.attempt == status.attempt and p.uid not in retired]
     out = []
     for p in sorted(current, key=lambda p: p.index):
         where = {"pod": p.name, "node": p.node, "node_rank": p.index, "attempt": status.attempt}
@@ -94,6 +107,67 @@ def current_failures(
             attempt=status.attempt, time=ts,
         ))  # fmt: skip
     return out
+
+
+def store_lost(
+    job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed, now: dt.datetime
+) -> FailureInfo | None:
+    """The rendezvous store pod ended, is being deleted, is on a lost node, or vanished while the attempt's
+    agents may depend on it: every agent's next rendezvous (and its heartbeat) needs it."""
+    if not obs.store_listed or status.phase not in (Phase.STARTING, Phase.RUNNING):
+        return None
+    store = obs.store
+    if store is None:
+        if not any(p.attempt == status.attempt and p.phase == "Running" for p in obs.pods):
+            return None  # created again before any agent of this attempt could have used it
+        message = "the rendezvous store pod disappeared"
+    elif store.phase in POD_FINISHED:
+        message = f"the rendezvous store pod {store.name} ended ({store.phase}, exit code {store.exit_code})"
+    elif store.deleting:
+        message = f"the rendezvous store pod {store.name} is being deleted"
+    elif lost := node_lost(job, obs, store.node, now):
+        message = f"the rendezvous store pod {store.name}: {lost}"
+    else:
+        return None
+    return FailureInfo(
+        pod=store.name if store else None, node=store.node if store else None, reason="RendezvousLost",
+        message=message, attempt=status.attempt, time=iso(now),
+    )  # fmt: skip
+
+
+def recovery_overdue(
+    job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime
+) -> FailureInfo | None:
+    """A pod replaced alone, and training has not resumed within failurePolicy.inPlaceTimeoutSeconds."""
+    rec = recovery_of(status)
+    since = parse_iso(rec.since) if rec else None
+    limit = job.spec.failure_policy.in_place_timeout_seconds
+    if rec is None or since is None or (now - since).total_seconds() <= limit:
+        return None
+    what = f"pod {rec.last.pod}" if rec.last and rec.last.pod else "a pod"
+    message = f"training did not resume within {limit}s of replacing {what} alone (failurePolicy.inPlaceTimeoutSeconds)"
+    return FailureInfo(reason="InPlaceRecoveryTimeout", message=message, attempt=status.attempt, time=iso(now))
+
+
+def in_place_budget(job: ShardedTrainingJob) -> int:
+    """Pods that may be replaced alone per attempt: every replacement costs each surviving agent a restart."""
+    spec = job.spec
+    return spec.elastic.max_restarts if spec.elastic else spec.failure_policy.in_place_restarts
+
+
+def replaceable(
+    job: ShardedTrainingJob, status: ShardedTrainingJobStatus, failures: list[FailureInfo], failure: FailureInfo
+) -> bool:
+    """Whether the pods in `failures` can be replaced alone while the others wait at the next rendezvous
+    round: in-place restarts are on and not used up in this attempt, every failure is one pod's and none is
+    permanent, and at least one node survives (with none, a gang restart is the same and simpler)."""
+    if failure.reason in GANG_REASONS or not failures or any(f.pod is None or f.node_rank is None for f in failures):
+        return False
+    if any(is_permanent(job, f) for f in failures):
+        return False
+    rec = recovery_of(status)
+    used = rec.replacements if rec else 0
+    return used + len(failures) <= in_place_budget(job) and len({f.node_rank for f in failures}) < job.spec.nodes
 
 
 def node_lost(job: ShardedTrainingJob, obs: Observed, node: str | None, now: dt.datetime) -> str | None:

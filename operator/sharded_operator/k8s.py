@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from sharded_operator.models import GROUP, KIND, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.models import GROUP, KIND, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
 
 T = TypeVar("T")
 _TRANSIENT = {429, 500, 502, 503, 504}
@@ -113,7 +113,8 @@ class Kube:
 
     @retrying
     def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job}")
+        """The job's training pods (each has a node index), not its rendezvous store pod."""
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job},{LABEL_INDEX}")
         return [self._dict(p) for p in pods.items]
 
     @retrying

@@ -43,6 +43,9 @@ SHORT_NAME = "stj"
 LABEL_JOB = f"{GROUP}/job-name"
 LABEL_INDEX = f"{GROUP}/node-index"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_ROLE = f"{GROUP}/role"  # set on the rendezvous store pod only: training pods carry a node index instead
+ROLE_RENDEZVOUS = "rendezvous"
+STORE_CONTAINER = "rendezvous"
 # On the checkpoint claim, which outlives its job when retained: the UID of the job that created it.
 ANNOTATION_CREATED_BY = f"{GROUP}/created-by-uid"
 CONTAINER = TRAINER_CONTAINER  # the trainer's container in every pod
@@ -246,6 +249,24 @@ class FailureInfo(StatusModel):
     time: str | None = Field(None, description="When it was observed (RFC 3339).")
 
 
+class InPlaceRecovery(StatusModel):
+    """Pods of the current attempt replaced alone (failurePolicy.inPlaceRestarts), and whether training resumed."""
+
+    attempt: int = Field(..., description="The attempt these replacements belong to.")
+    replacements: int = Field(0, ge=0, description="Pods replaced alone in this attempt.")
+    since: str | None = Field(
+        None, description="When the last pod was replaced; unset once a new trainer process reported progress."
+    )
+    run: str | None = Field(None, description="The trainer process that reported last before that replacement.")
+    pending: list[int] = Field(
+        default_factory=list, max_length=1024, description="Node indices whose replacement pod is not created yet."
+    )
+    retired: list[str] = Field(
+        default_factory=list, max_length=1024, description="UIDs of replaced pods still going away: not failures."
+    )
+    last: FailureInfo | None = Field(None, description="The failure the last replacement recovered from.")
+
+
 class TrainerEventCursor(StatusModel):
     """Which trainer events have been reported, so none is reported twice (across operator restarts too)."""
 
@@ -273,6 +294,11 @@ class ShardedTrainingJobStatus(StatusModel):
         0, description="Worker restarts inside running pods (failurePolicy.inPlaceRestarts), over every attempt; no "
         "pod was recreated for them.",
     )
+    pod_replacements: int = Field(
+        0, description="Pods replaced alone while the others kept running (over every attempt); gang restarts are "
+        "restarts and disruptions.",
+    )
+    recovery: InPlaceRecovery | None = Field(None, description="In-place recovery of the current attempt.")
     progress: Progress | None = Field(None, description="Live training progress.")
     last_checkpoint: CheckpointStatus | None = Field(None, description="Newest complete checkpoint.")
     resumed_from: CheckpointStatus | None = Field(

@@ -43,8 +43,10 @@ class Context:
     health: Health = field(default_factory=lambda: Health(float("inf")))
 
     def pod_gone(self, namespace: str, job: str, pod: dict[str, Any]) -> None:
-        """Keep a deleted pod's last state (why it went) until a reconcile of its job has seen it."""
+        """Keep a deleted training pod's last state (why it went) until a reconcile of its job has seen it."""
         view = PodView.from_pod(pod)
+        if view.index < 0:  # the rendezvous store pod: reconcile reads it by name
+            return
         self.departed.setdefault(f"{namespace}/{job}", {})[view.name] = view
 
     def forget(self, uid: str, namespace: str = "", name: str = "") -> None:
@@ -88,7 +90,12 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         departed = ctx.departed.get(key, {})
         nodes = {n["metadata"]["name"]: NodeView.from_node(n) for n in ctx.kube.nodes()}
         foreign = [p.name for p in labelled if p.owner_uid != uid]
-        observed = Observed(pods=pods, nodes=nodes, departed=departed, foreign=foreign)
+        store_pod = ctx.kube.get_pod(namespace, builders.store_pod_name(job))
+        store = PodView.from_pod(store_pod) if store_pod else None
+        if store is not None and store.owner_uid != uid:  # a deleted job's, still going: not ours to judge
+            foreign.append(store.name)
+            store = None
+        observed = Observed(pods=pods, nodes=nodes, departed=departed, foreign=foreign, store=store, store_listed=True)
         now = dt.datetime.now(dt.UTC)
         seen_missing = ctx.missing.get(key, {})
         ctx.missing[key] = {p: seen_missing.get(p, iso(now)) for p in missing_pods(job, job.status, observed)}
@@ -105,17 +112,21 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
             ctx.kube.delete_pod(namespace, pod, plan.grace_seconds)
         for pod in plan.force_delete:
             ctx.kube.delete_pod(namespace, pod, 0)
+        if plan.delete_store:
+            ctx.kube.delete_pod(namespace, builders.store_pod_name(job), None)
         # 2. children the pods need, then the pods of the current attempt (built from the decided status:
         #    a host-network job's port is chosen once, before its first child)
         if job.spec.network.host_network and plan.status.host_port is None and plan.status.phase not in FINISHED:
             used = {p for p in ctx.kube.host_ports_in_use() if p is not None}
             plan.status.host_port = builders.choose_host_port(uid, ctx.settings.host_ports, used)
         decided = job.model_copy(update={"status": plan.status})
-        if plan.create:
+        if plan.create or plan.create_store:
             refusal = held = None
             try:
                 # The pods would mount or resolve another job's objects while it is held.
                 held = _ensure_children(ctx, decided, body)
+                if plan.create_store and not held:
+                    ctx.kube.create(namespace, adopt(builders.build_store_pod(decided, ctx.settings), body))
                 for index in [] if held else plan.create:
                     pod = adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
                     if ctx.kube.create(namespace, pod):

@@ -122,11 +122,16 @@ class Network(ApiModel):
 
 
 class Rendezvous(ApiModel):
-    """torchrun's c10d rendezvous, hosted by node 0."""
+    """torchrun's c10d rendezvous, through a store in a pod of its own (<job>-rdzv), not in a training pod."""
 
-    port: int = Field(29400, ge=1024, le=65535, description="Rendezvous TCP port on node 0.")
+    port: int = Field(29400, ge=1024, le=65535, description="TCP port of the rendezvous store pod.")
     timeout_seconds: int = Field(
         900, ge=30, le=86400, description="How long agents wait for every node to join before failing."
+    )
+    last_call_seconds: int = Field(
+        5, ge=1, le=600,
+        description="With elastic: how long a round that has minNodes waits for more nodes before it starts "
+        "(torchrun's own default of 30 s would stall every recovery).",
     )
 
 
@@ -207,9 +212,15 @@ class FailurePolicy(ApiModel):
         0, ge=0, le=100,
         description="Worker restarts inside the running pods before a failure restarts the gang: when a trainer "
         "process fails, torchrun restarts every node's workers at a new rendezvous round, which resume from the "
-        "newest checkpoint, and no pod is recreated. A pod that dies still restarts the gang. Counted in "
+        "newest checkpoint, and no pod is recreated. A pod that fails or is lost is replaced alone and joins the "
+        "next round (status.podReplacements), at most this many times per attempt. Counted in "
         "status.inPlaceRestarts, not against backoffLimit. With elastic, elastic.maxRestarts applies instead.",
     )  # fmt: skip
+    in_place_timeout_seconds: int = Field(
+        300, ge=10, le=86400,
+        description="How long training may take to resume after a pod was replaced alone (the replacement "
+        "scheduled, started and joined, a new trainer process reporting) before the gang restarts as a new attempt.",
+    )
     permanent_exit_codes: list[ExitCodeValue] = Field(
         # pydantic copies mutable defaults per instance; a literal lands in the CRD
         [int(ExitCode.INVALID_CONFIG), int(ExitCode.INCOMPATIBLE_CHECKPOINT)],

@@ -13,9 +13,14 @@ from sharded_operator.failure import (
     current_failures,
     first_failure,
     hang,
+    in_place_budget,
     is_disruption,
     is_permanent,
     missing_pods,
+    recovery_of,
+    recovery_overdue,
+    replaceable,
+    store_lost,
     stuck_on_lost_nodes,
 )
 from sharded_operator.models import (
@@ -23,6 +28,7 @@ from sharded_operator.models import (
     Condition,
     ConditionType,
     FailureInfo,
+    InPlaceRecovery,
     Phase,
     ShardedTrainingJob,
     ShardedTrainingJobStatus,
@@ -43,6 +49,8 @@ class Plan:
     delete: list[str] = field(default_factory=list)  # pod names
     force_delete: list[str] = field(default_factory=list)  # pod names to delete with grace 0
     grace_seconds: int | None = None
+    create_store: bool = False  # the rendezvous store pod, with the pods (it serves every attempt)
+    delete_store: bool = False
     delete_job: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
 
@@ -142,6 +150,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
 
     if spec.run_policy.suspend:
         plan.delete = [p.name for p in obs.pods if not p.deleting]
+        _drop_store(plan, obs)
         own = spec.run_policy.termination_grace_seconds
         plan.grace_seconds = grace["suspend"] if own is None else own
         if status.phase != Phase.SUSPENDED:
@@ -168,14 +177,21 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     if deadline and active and (now - active).total_seconds() > deadline:
         return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
 
-    failure = first_failure(job, current_failures(job, status, obs, now)) or hang(job, status, now)
-    if failure:
+    _follow_recovery(plan, obs, now)
+    failures = current_failures(job, status, obs, now)
+    failure = (
+        first_failure(job, failures) or hang(job, status, now) or store_lost(job, status, obs, now)
+        or recovery_overdue(job, status, now)
+    )  # fmt: skip
+    if failure and replaceable(job, status, failures, failure):
+        _replace_alone(job, plan, obs, failures, failure, now)
+    elif failure:
         return _restart_or_fail(job, plan, obs, failure, grace["restart"], now)
     if missing_pods(job, status, obs):  # gone, but why is not known yet: no replacement, no verdict
         return plan
 
     # Old attempts must be gone before the new one starts: pod names are reused.
-    plan.delete = [p.name for p in stale if not p.deleting]
+    plan.delete += [p.name for p in stale if not p.deleting]
     plan.grace_seconds = grace["restart"]
     if stale:
         set_phase(status, status.phase or Phase.PENDING, "WaitingForOldPods", "waiting for the previous pods to go", ts)
@@ -190,11 +206,20 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
 
     present = {p.index for p in current}
     plan.create = [i for i in range(spec.nodes) if i not in present]
+    plan.create_store = obs.store_listed and obs.store is None
     running = [p for p in current if p.phase == "Running"]
     set_ready(status, len(running), spec.nodes)
     if plan.create and not current:
         plan.events.append(("Normal", "Creating", f"creating {spec.nodes} pods for attempt {status.attempt}"))
-    if len(running) == spec.nodes:
+    rec = recovery_of(status)
+    if rec and rec.since:
+        what = rec.last.pod if rec.last else "a pod"
+        message = (
+            f"attempt {status.attempt}: recovering in place from {what}; {len(running)}/{spec.nodes} nodes running, "
+            "the others wait at the next rendezvous round"
+        )
+        set_phase(status, Phase.RUNNING, "RecoveringInPlace", message, ts)
+    elif len(running) == spec.nodes:
         if status.phase != Phase.RUNNING:
             plan.events.append(("Normal", "Running", f"all {spec.nodes} nodes running (attempt {status.attempt})"))
         set_phase(status, Phase.RUNNING, "AllNodesRunning", f"attempt {status.attempt}: training", ts)
@@ -223,6 +248,73 @@ def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], no
     _announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
 
 
+def _follow_recovery(plan: Plan, obs: Observed, now: dt.datetime) -> None:
+    """Keep the in-place recovery in step with what is observed: replacements seen are no longer pending,
+    retired pods gone are forgotten, and a report from a new trainer process once nothing is pending means
+    training resumed."""
+    status = plan.status
+    rec = recovery_of(status)
+    if rec is None:
+        status.recovery = None
+        return
+    listed = {p.uid for p in obs.pods}
+    rec.retired = [u for u in rec.retired if u in listed]
+    replaced = {p.index for p in obs.pods if p.attempt == status.attempt and p.uid not in rec.retired}
+    rec.pending = [i for i in rec.pending if i not in replaced]
+    progress = status.progress
+    since = parse_iso(rec.since)
+    observed = parse_iso(progress.observed_at) if progress else None
+    if (
+        since and not rec.pending and progress and progress.attempt == status.attempt
+        and progress.run not in (None, rec.run) and observed and observed >= since
+    ):  # fmt: skip
+        what = rec.last.pod if rec.last else "a pod"
+        plan.events.append(
+            ("Normal", "RecoveredInPlace", f"training resumed {(observed - since).total_seconds():.0f}s after {what} "
+             f"was replaced alone (step {progress.step})")
+        )  # fmt: skip
+        rec.since = None
+
+
+def _replace_alone(
+    job: ShardedTrainingJob, plan: Plan, obs: Observed, failures: list[FailureInfo], failure: FailureInfo,
+    now: dt.datetime,
+) -> None:
+    """Replace the failed pods alone: delete each (its name is reused) and create it again once it is gone;
+    the surviving agents restart their workers and wait for it at the next rendezvous round."""
+    status = plan.status
+    rec = recovery_of(status) or InPlaceRecovery(attempt=status.attempt)
+    pods = {p.name: p for p in obs.pods if p.attempt == status.attempt}
+    for f in sorted(failures, key=lambda f: f.node_rank or 0):
+        pod = pods.get(f.pod or "")
+        if pod is not None and pod.uid:
+            rec.retired.append(pod.uid)
+        if pod is not None and not pod.deleting:
+            plan.delete.append(pod.name)
+        if f.node_rank not in rec.pending:
+            rec.pending.append(f.node_rank)  # type: ignore[arg-type] # replaceable() checked it is set
+        rec.replacements += 1
+        status.pod_replacements += 1
+    progress = status.progress
+    if rec.since is None:
+        rec.run = progress.run if progress and progress.attempt == status.attempt else None
+    rec.since = iso(now)
+    rec.last = failure
+    status.recovery = rec
+    names = ", ".join(f.pod or "" for f in failures)
+    exited = f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
+    detail = f"{failure.reason}: {names}{exited}"
+    plan.events.append(
+        ("Warning", "ReplacingPod", f"{detail}; replacing it alone ({rec.replacements}/{in_place_budget(job)} in "
+         f"attempt {status.attempt}); the other nodes wait for it at the next rendezvous round")
+    )  # fmt: skip
+
+
+def _drop_store(plan: Plan, obs: Observed) -> None:
+    """Nothing will rendezvous again (suspended or finished): the store pod goes too."""
+    plan.delete_store = obs.store is not None and not obs.store.deleting
+
+
 def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace: int, now: dt.datetime) -> Plan:
     """A permanent failure ends the job; a disruption restarts it without using backoffLimit (unless
     failurePolicy.countDisruptions); any other failure restarts it while the limit lasts."""
@@ -244,7 +336,10 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
         status.disruptions += 1
         budget = f"disruption {status.disruptions}, not counted against backoffLimit"
     status.attempt += 1
+    status.recovery = None
     plan.delete = [p.name for p in obs.pods if not p.deleting]
+    if failure.reason == "RendezvousLost":  # a new one is made with the next attempt's pods
+        _drop_store(plan, obs)
     plan.grace_seconds = grace
     set_ready(status, 0, job.spec.nodes)
     set_phase(
@@ -264,7 +359,8 @@ def _fail(job, plan: Plan, obs: Observed, reason: str, message: str, now: dt.dat
 
 
 def _finished(job: ShardedTrainingJob, plan: Plan, obs: Observed, now: dt.datetime) -> Plan:
-    """cleanPodPolicy once the job has ended, then the TTL."""
+    """cleanPodPolicy once the job has ended (the store pod goes in any case), then the TTL."""
+    _drop_store(plan, obs)
     policy = job.spec.run_policy.clean_pod_policy
     if policy == "All":
         plan.delete = [p.name for p in obs.pods if not p.deleting]

@@ -70,6 +70,7 @@ class PodView:
     deleted_at: str | None = None  # when the pod's deletion was requested
     grace_ends: str | None = None  # when its grace period ends (deletionTimestamp)
     owner_uid: str | None = None  # UID of the job that created it (its controller reference)
+    uid: str | None = None
     stuck: str | None = None  # why a pod that should run does not: unschedulable, image pull, config
     stuck_since: str | None = None
 
@@ -100,6 +101,7 @@ class PodView:
             deleted_at=_deletion_requested(meta),
             grace_ends=_normal(meta.get("deletionTimestamp")),
             owner_uid=controller_uid(meta),
+            uid=meta.get("uid"),
             stuck=stuck,
             stuck_since=stuck_since,
         )
@@ -133,5 +135,8 @@ class Observed:
     # Pods with this job's name label made by another job of the same name (deleted, still terminating):
     # they hold names this job's pods need.
     foreign: list[str] = field(default_factory=list)
+    # The rendezvous store pod (None: it does not exist), when reconcile looked for it (`store_listed`).
+    store: PodView | None = None
+    store_listed: bool = False
 
 

@@ -86,15 +86,23 @@ def trainer_workers(run) -> list[int]:
     return workers
 
 
+def pod_objects(stack, name: str) -> dict[str, int]:
+    """How many pod objects of each name of the job (its training pods and its rendezvous store pod) ran:
+    the node agent keeps a directory per pod UID, after the pod is gone too."""
+    counts: dict[str, int] = {}
+    for d in (stack.workdir / "nodeagent" / "pods").glob(f"{NS}_{name}-*_*"):
+        pod = d.name.split("_")[1]
+        counts[pod] = counts.get(pod, 0) + 1
+    return counts
+
+
 def test_a_killed_worker_is_restarted_in_place_and_no_pod_is_recreated(jobs, stack):
     """failurePolicy.inPlaceRestarts: torchrun restarts every node's workers at a new rendezvous round, they
     resume from the newest checkpoint, the pods (and their UIDs) stay, and status counts the restart apart."""
     name = "e2e-inplace"
     jobs.create(job(name, steps=80, failurePolicy={"backoffLimit": 2, "inPlaceRestarts": 2}))
     jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
-    pods = f"/api/v1/namespaces/{NS}/pods?labelSelector=training.sharded.dev/job-name={name}"
-    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in stack.cluster.api("GET", pods)["items"]}
-    assert sorted(uids) == [f"{name}-0", f"{name}-1"]
+    assert pod_objects(stack, name) == {f"{name}-0": 1, f"{name}-1": 1, f"{name}-rdzv": 1}
     victim = next(r for r in jobs.runs(name) if r.name == f"{name}-1")
     workers = trainer_workers(victim)
     assert len(workers) == 2, workers
@@ -102,10 +110,48 @@ def test_a_killed_worker_is_restarted_in_place_and_no_pod_is_recreated(jobs, sta
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
     assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
     assert status["restarts"] == 0 and status["attempt"] == 1 and status["inPlaceRestarts"] == 1
-    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in stack.cluster.api("GET", pods)["items"]} == uids
+    assert pod_objects(stack, name) == {f"{name}-0": 1, f"{name}-1": 1, f"{name}-rdzv": 1}  # none recreated
     resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
     assert len(resumed) == 1 and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0
     assert status["progress"]["step"] == 80 and jobs.checkpoints(name)[-1] == 80
+
+
+def test_a_deleted_pod_is_replaced_alone_while_the_others_wait_for_it(jobs, stack):
+    """Pod 0 (which hosted torchrun's store before the store had a pod of its own) is deleted: every rank
+    takes a final checkpoint with it, the other node's workers restart in place and wait at the next
+    rendezvous round, only pod 0 is created again, and training resumes from that checkpoint in the same
+    attempt."""
+    name = "e2e-replace"
+    jobs.create(job(name, steps=80, failurePolicy={"backoffLimit": 2, "inPlaceRestarts": 2}))
+    jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
+    stack.cluster.api("DELETE", f"/api/v1/namespaces/{NS}/pods/{name}-0")
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["attempt"] == 1 and status["restarts"] == 0 and status["disruptions"] == 0
+    assert status["podReplacements"] == 1 and status["recovery"]["replacements"] == 1
+    assert "since" not in status["recovery"]  # closed: a new trainer process reported
+    assert pod_objects(stack, name) == {f"{name}-0": 2, f"{name}-1": 1, f"{name}-rdzv": 1}
+    reasons = jobs.event_reasons(name)
+    assert reasons.count("ReplacingPod") == 1 and reasons.count("RecoveredInPlace") == 1, reasons
+    assert "Restarting" not in reasons
+    logs = jobs.logs(name)
+    stopped = [json.loads(line[8:]) for line in logs.splitlines() if '"event": "preempted"' in line]
+    resumed = [json.loads(line[8:]) for line in logs.splitlines() if '"event": "resumed"' in line]
+    assert stopped and resumed and resumed[-1]["step"] == stopped[0]["step"]  # nothing lost, nothing redone
+    assert status["progress"]["step"] == 80 and jobs.checkpoints(name)[-1] == 80
+
+
+def test_losing_the_rendezvous_store_restarts_the_gang_as_a_disruption(jobs, stack):
+    name = "e2e-store"
+    jobs.create(job(name, steps=60, failurePolicy={"backoffLimit": 2, "inPlaceRestarts": 2}))
+    jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
+    stack.agent.crash(next(r for r in jobs.runs(name) if r.name == f"{name}-rdzv"))
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["attempt"] == 2 and status["disruptions"] == 1 and status["restarts"] == 0
+    assert status["lastFailure"]["reason"] == "RendezvousLost" and status["podReplacements"] == 0
+    assert pod_objects(stack, name) == {f"{name}-0": 2, f"{name}-1": 2, f"{name}-rdzv": 2}  # a new gang, a new store
+    assert status["progress"]["step"] == 60 and jobs.checkpoints(name)[-1] == 60
 
 
 def test_suspend_checkpoints_on_sigterm_and_resume_continues_from_that_step(jobs):

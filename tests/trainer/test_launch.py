@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -32,16 +33,31 @@ def launch(config, env: dict[str, str], command: list[str] | None = None) -> sub
     )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def store_port():
+    """The job's rendezvous store as its pod runs it (`python -m sharded_trainer.store`), for every test here:
+    each uses a rendezvous id of its own, as each attempt does."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sharded_trainer.store", "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    yield port
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "rendezvous store stopping" in out, out
+
+
 def one_node(port: int) -> dict[str, str]:
+    """A pod's torchrun variables, as the operator sets them: a client of the store at `port`, never its host."""
     return {
         PodEnv.NNODES: "1", PodEnv.NPROC_PER_NODE: "2", PodEnv.NODE_RANK: "0", PodEnv.RDZV_BACKEND: "c10d",
-        PodEnv.RDZV_ENDPOINT: f"127.0.0.1:{port}", PodEnv.RDZV_ID: "launch-test", PodEnv.MAX_RESTARTS: "0",
+        PodEnv.RDZV_ENDPOINT: f"127.0.0.1:{port}", PodEnv.RDZV_ID: f"launch-{uuid.uuid4().hex[:8]}",
+        PodEnv.RDZV_CONF: "is_host=false,join_timeout=120", PodEnv.MAX_RESTARTS: "0",
     }  # fmt: skip
 
 
-def test_sigterm_to_the_launcher_alone_yields_a_final_checkpoint_and_exit_75(tmp_path):
+def test_sigterm_to_the_launcher_alone_yields_a_final_checkpoint_and_exit_75(tmp_path, store_port):
     config = write_config(tmp_path, steps=100000, **{"checkpoint.interval": 100000})
-    proc = launch(config, one_node(free_port()))
+    proc = launch(config, one_node(store_port))
     progress = tmp_path / "progress.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (progress.exists() and json.loads(progress.read_text())["step"] >= 3):
@@ -68,11 +84,11 @@ def test_sigterm_while_waiting_for_the_rendezvous_ends_the_wait_at_once(tmp_path
     assert "stopped while waiting for the rendezvous" in out and time.monotonic() - started < 10
 
 
-def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path):
+def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path, store_port):
     """torchrun kills its workers 30 s after its own SIGTERM; the launcher tells torchrun only once they are done."""
     config = write_config(tmp_path)
     script = [str(ROOT / "tests" / "helpers" / "slow_stop.py"), "--out", str(tmp_path)]
-    proc = launch(config, one_node(free_port()), script)
+    proc = launch(config, one_node(store_port), script)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(tmp_path.glob("started-*"))) < 2:
         time.sleep(0.05)
@@ -82,11 +98,13 @@ def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path):
     assert proc.returncode == ExitCode.PREEMPTED, out[-3000:]
 
 
-def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_newest_checkpoint(tmp_path):
+def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_newest_checkpoint(
+    tmp_path, store_port
+):
     """failurePolicy.inPlaceRestarts: torchrun restarts the workers inside the pod (the launcher, as PID 1,
     never exits), they resume from the newest checkpoint, and the report says which restart this is."""
     config = write_config(tmp_path, steps=40, **{"checkpoint.interval": 10})
-    proc = launch(config, {**one_node(free_port()), PodEnv.MAX_RESTARTS: "2"})
+    proc = launch(config, {**one_node(store_port), PodEnv.MAX_RESTARTS: "2"})
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not committed_steps(tmp_path / "ckpt"):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -104,7 +122,7 @@ def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_new
     assert json.loads((tmp_path / "progress.json").read_text())["restart"] == 1
 
 
-def test_a_decision_of_the_trainer_is_not_restarted_in_place(tmp_path):
+def test_a_decision_of_the_trainer_is_not_restarted_in_place(tmp_path, store_port):
     """An incompatible checkpoint stays incompatible: with in-place restarts on, the workers still exit once
     and the pod's exit code is the decision's, not torchrun's 1."""
     config = write_config(tmp_path, steps=5, **{"checkpoint.interval": 5})
@@ -113,7 +131,7 @@ def test_a_decision_of_the_trainer_is_not_restarted_in_place(tmp_path):
     assert first.returncode == 0, first.stdout[-2000:]
     other = write_config(tmp_path / "other", steps=10, **{"model.vocabSize": 512,
                                                           "checkpoint.dir": str(tmp_path / "ckpt")})  # fmt: skip
-    proc = launch(other, {**one_node(free_port()), PodEnv.MAX_RESTARTS: "3"})
+    proc = launch(other, {**one_node(store_port), PodEnv.MAX_RESTARTS: "3"})
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == ExitCode.INCOMPATIBLE_CHECKPOINT, out[-3000:]
     assert out.count('"event": "started"') == 1 and out.count('"event": "incompatible"') == 1, out[-3000:]

@@ -26,8 +26,11 @@ def test_rendezvous_contract_for_a_gpu_job():
     assert env["PET_NPROC_PER_NODE"] == "8"  # auto = GPUs per node
     assert env["PET_NODE_RANK"] == "2"
     assert env["PET_RDZV_BACKEND"] == "c10d"
-    assert env["PET_RDZV_ENDPOINT"] == "llm-0.llm.team.svc:29400"
+    assert env["PET_RDZV_ENDPOINT"] == "llm-rdzv.llm.team.svc:29400"  # the store pod, not a training pod
     assert env["PET_RDZV_ID"] == "uid-llm-3"  # a fresh rendezvous per attempt
+    conf = dict(kv.split("=") for kv in env["PET_RDZV_CONF"].split(","))
+    assert conf == {"is_host": "false", "join_timeout": "900", "last_call_timeout": "5", "keep_alive_interval": "2",
+                    "keep_alive_max_attempt": "3"}  # fmt: skip
     assert env["MASTER_ADDR"] == "llm-0.llm.team.svc" and env["MASTER_PORT"] == "29400"
     assert env["PET_MAX_RESTARTS"] == "0"
     assert "CUDA_VISIBLE_DEVICES" not in env
@@ -40,6 +43,29 @@ def test_rendezvous_contract_for_a_gpu_job():
     assert labels[builders.LABEL_JOB] == "llm" and labels[builders.LABEL_INDEX] == "2"
     assert labels[builders.LABEL_ATTEMPT] == "3"
     assert env["SHARDED_PROGRESS_URL"] == "http://op:8080/progress"
+
+
+def test_the_rendezvous_store_pod_is_small_restricted_and_runs_where_the_job_may():
+    job = (
+        make_job("llm", "team").nodes(4).gpus(8).spec("scheduling.tolerations", [{"key": "gpu", "operator": "Exists"}])
+        .spec("scheduling.nodeSelector", {"pool": "h200"}).spec("scheduling.queueName", "team-a")
+        .spec("pod.labels", {"app": "llm"}).model()
+    )  # fmt: skip
+    pod = builders.build_store_pod(job, SETTINGS)
+    spec, [container] = pod["spec"], pod["spec"]["containers"]
+    assert pod["metadata"]["name"] == spec["hostname"] == "llm-rdzv" and spec["subdomain"] == "llm"
+    labels = pod["metadata"]["labels"]
+    assert labels[builders.LABEL_JOB] == "llm" and labels[builders.LABEL_ROLE] == "rendezvous"
+    # no node index (it is not a training pod), no attempt (it serves them all), no Kueue queue or gang
+    assert builders.LABEL_INDEX not in labels and builders.LABEL_ATTEMPT not in labels and labels["app"] == "llm"
+    assert not any(k.startswith("kueue.x-k8s.io") for k in labels) and "schedulerName" not in spec
+    assert container["command"] == ["python", "-m", "sharded_trainer.store", "--port", "29400"]
+    assert container["resources"]["requests"] == container["resources"]["limits"] == {"cpu": "250m", "memory": "1Gi"}
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert spec["automountServiceAccountToken"] is False and spec["restartPolicy"] == "Never"
+    assert spec["tolerations"] == [{"key": "gpu", "operator": "Exists"}] and spec["nodeSelector"] == {"pool": "h200"}
+    assert builders.build_service(job)["spec"]["selector"].items() <= labels.items()  # its DNS name resolves
 
 
 def test_cpu_job_falls_back_to_gloo_and_hides_gpus():

@@ -81,6 +81,9 @@ class ExitCode(IntEnum):
     INCOMPATIBLE_CHECKPOINT = 4  # the newest checkpoint was written for another model or layout: permanent
     PREEMPTED = 75  # stopped by SIGTERM after committing a final checkpoint: resume me
     FENCED = 76  # a newer writer owns the checkpoints: this one stopped without committing
+    # Between a worker and the launcher only, never a pod's: stopped at the step another node's SIGTERM set,
+    # after the final checkpoint every rank took part in (see launch.record_exit).
+    PEER_STOPPED = 77
 
 
 CONFIG_DIR = "/etc/sharded"

@@ -131,13 +131,24 @@ DECISIONS = frozenset({ExitCode.INVALID_CONFIG, ExitCode.INCOMPATIBLE_CHECKPOINT
 def record_exit(code: int) -> int:
     """In a worker: leave this rank's exit code where the launcher reads it (torchrun itself only says 1).
     Where torchrun may restart workers in place, a decision then exits 0 to torchrun, and the launcher
-    passes the recorded code on (without restarts, torchrun's failure path is left as it always was)."""
+    passes the recorded code on (without restarts, torchrun's failure path is left as it always was).
+
+    A rank that stopped because another node was asked to (PEER_STOPPED: that node is being deleted or
+    drained) exits as a failure to torchrun where it may restart in place, so this node's workers wait for
+    the replacement at the next rendezvous round instead of ending the pod; without restarts it stops with
+    its peer (75)."""
+    restarts = os.environ.get(PodEnv.MAX_RESTARTS, "0")
+    in_place = restarts.isdigit() and int(restarts) > 0
+    peer_stopped = code == ExitCode.PEER_STOPPED
+    if peer_stopped:
+        code = ExitCode.PREEMPTED
     exit_dir = os.environ.get(PodEnv.EXIT_DIR)
     if exit_dir:
         rank = os.environ.get(WorkerEnv.RANK, "0")
         Path(exit_dir, f"rank-{rank}").write_text(str(code))
-        restarts = os.environ.get(PodEnv.MAX_RESTARTS, "0")
-        if code in DECISIONS and restarts.isdigit() and int(restarts) > 0:
+        if peer_stopped and in_place:
+            return 1
+        if code in DECISIONS and in_place:
             return ExitCode.OK
     return code
 
@@ -176,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     timeout = float(os.environ.get(PodEnv.RDZV_TIMEOUT, "900"))
     if endpoint:
         host, _, port = endpoint.rpartition(":")
-        # Node 0 hosts the c10d store: it needs its own name to resolve (torchrun checks whether the
-        # endpoint is local); the others also need the store to accept connections.
-        reachable = wait_for_endpoint(host, int(port), connect=node_rank != 0, timeout=timeout, stop=stop.requested)
+        # The c10d store is the job's store pod (no agent hosts it): every node waits until it accepts
+        # connections, so torchrun's own connect timeout never races the store pod's start.
+        reachable = wait_for_endpoint(host, int(port), connect=True, timeout=timeout, stop=stop.requested)
         if stop.requested.is_set():
             log("stopped while waiting for the rendezvous: nothing to save yet")
             return ExitCode.PREEMPTED

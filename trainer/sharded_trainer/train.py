@@ -139,7 +139,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         emit({"event": "preempted" if preempted else "finished", "step": step, "checkpoint": ckpt.last_committed})
     report.flush()
     if preempted:
-        return ExitCode.PREEMPTED
+        return ExitCode.PREEMPTED if stop.requested.is_set() else ExitCode.PEER_STOPPED
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
     return ExitCode.OK

@@ -1,25 +1,33 @@
-"""Recovery time on the local end-to-end setup: from a fault to training resumed, broken into phases.
+"""Recovery time on the local end-to-end setup, gang recreation and in-place side by side: from a fault to
+training resumed, broken into phases.
 
     .venv/bin/python bench/recovery.py --repeat 2 --out bench/results/recovery-local.json
 
 Runs the real control plane, the operator and the node agent (pods as real processes; root, as the e2e
-tier), one 2-node job on 3 nodes, and injects each fault in turn while it trains:
+tier) on 3 nodes, and one 2-node job per mode, one after the other in the same run: `gang` (no in-place
+restarts: every failure recreates the gang as a new attempt) and `in-place` (`failurePolicy.inPlaceRestarts`:
+torchrun restarts the workers inside the pods, a lost pod is replaced alone). Each fault in turn, while
+the job trains:
 
+- worker-crash: SIGKILL of one trainer process inside a pod (the pod itself stays);
 - pod-kill: SIGKILL of one pod's processes (a crash, no goodbye);
 - node-not-ready: a node's kubelet goes silent with its pod's processes frozen (a partition); the
   detection includes the job's `failurePolicy.nodeLostSeconds`;
-- suspend: `runPolicy.suspend` set and, once the pods are gone, cleared; timed from the resume.
+- suspend (gang only): `runPolicy.suspend` set and, once the pods are gone, cleared; timed from the resume.
 
 Each recovery is split at the moments the bench sees (polling the API every 0.1 s) and the trainer
 logs (`METRICS` lines carry Unix times):
 
-    detect      fault -> the operator starts a new attempt (status.attempt goes up)
-    delete      -> no pod of an older attempt is left
-    schedule    -> every pod of the new attempt is bound to a node
-    start       -> every pod of the new attempt runs (the node agent started its processes)
+    detect      fault -> the operator acts: a new attempt (gang) or a pod replaced alone (in place)
+    delete      -> no pod of an older attempt (gang) or the failed pod (in place) is left
+    schedule    -> every pod of the attempt is bound to a node
+    start       -> every pod of the attempt runs (the node agent started its processes)
     rendezvous  -> rank 0's process group is up (torchrun's c10d rendezvous and init_process_group)
     load        -> rank 0 resumed from the newest checkpoint (model built, state loaded)
     first step  -> rank 0 logged the first step after the resume
+
+A worker crash recovered in place involves no pod: its first four phases are zero, and the rest is
+torchrun's restart of every node's workers.
 
 Absolute times are this machine's (2 CPU cores, a tiny model); what carries over is which phase
 dominates. Not a test: nothing here asserts a time.
@@ -75,9 +83,12 @@ def trainer_marks(log: str, after: float) -> dict[str, float]:
     return marks
 
 
-def job(name: str) -> dict:
+def job(name: str, in_place: bool) -> dict:
     from sharded_operator.models import GROUP, VERSION
 
+    # Enough in-place restarts for every fault of every repeat in one attempt (each costs every surviving
+    # agent one); the gang mode has none, as by default.
+    restarts = 20 if in_place else 0
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "ShardedTrainingJob",
@@ -91,26 +102,27 @@ def job(name: str) -> dict:
                         "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 1},
             "resources": {"cpu": 1, "memory": "2Gi"},
             "checkpoint": {"volumeClaim": {"size": "1Gi"}, "interval": 5, "keepLast": 2},
-            "failurePolicy": {"backoffLimit": 10, "nodeLostSeconds": NODE_LOST_SECONDS},
+            "failurePolicy": {"backoffLimit": 20, "nodeLostSeconds": NODE_LOST_SECONDS, "inPlaceRestarts": restarts},
             "runPolicy": {"terminationGraceSeconds": 10},
         },
     }  # fmt: skip
 
 
 class Bench:
-    def __init__(self, stack, name: str):
+    def __init__(self, stack, name: str, in_place: bool):
         from sharded_operator.models import GROUP, PLURAL, VERSION
 
-        self.stack, self.name = stack, name
+        self.stack, self.name, self.in_place = stack, name, in_place
         self.path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}"
 
     def status(self) -> dict:
         return self.stack.cluster.api("GET", self.path).get("status") or {}
 
     def pods(self) -> list[dict]:
-        from sharded_operator.models import LABEL_JOB
+        """The job's training pods (not its rendezvous store pod)."""
+        from sharded_operator.models import LABEL_INDEX, LABEL_JOB
 
-        url = f"/api/v1/namespaces/{NS}/pods?labelSelector={LABEL_JOB}%3D{self.name}"
+        url = f"/api/v1/namespaces/{NS}/pods?labelSelector={LABEL_JOB}%3D{self.name},{LABEL_INDEX}"
         return self.stack.cluster.api("GET", url)["items"]
 
     def wait(self, pred, what: str, timeout: float = 300) -> None:
@@ -135,35 +147,45 @@ class Bench:
         path = run.workdir / "container.log" if run else None
         return path.read_text() if path and path.exists() else ""
 
-    def measure(self, fault: float, old_attempt: int) -> dict[str, float]:
-        """Poll until the new attempt logs its first step; the time each phase ended."""
+    def measure(self, fault: float, before: dict, victim: str | None) -> dict[str, float]:
+        """Poll until training resumes after the fault; the time each phase ended. `before` is the status
+        before the fault; `victim` the UID of the pod the fault hit (None: no pod is replaced)."""
         from sharded_operator.models import LABEL_ATTEMPT
 
         marks = {"fault": fault}
+        old_attempt, replaced = before["attempt"], before.get("podReplacements", 0)
         deadline = time.monotonic() + 300
         while "first step" not in marks:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"recovery not complete: {marks}")
             now, status, pods = time.time(), self.status(), self.pods()
             attempt = status.get("attempt", 0)
-            old = [p for p in pods if int(p["metadata"]["labels"][LABEL_ATTEMPT]) <= old_attempt]
-            new = [p for p in pods if int(p["metadata"]["labels"][LABEL_ATTEMPT]) == attempt > old_attempt]
+            current = [p for p in pods if int(p["metadata"]["labels"][LABEL_ATTEMPT]) == attempt]
+            if attempt > old_attempt or victim is None:  # a new attempt, or nothing for the operator to do
+                gone = not [p for p in pods if int(p["metadata"]["labels"][LABEL_ATTEMPT]) <= old_attempt]
+                acted = attempt > old_attempt
+            else:  # a pod replaced alone in the same attempt
+                gone = all(p["metadata"]["uid"] != victim for p in pods)
+                acted = status.get("podReplacements", 0) > replaced
             seen = {  # in order: a phase ends only after the one before it
-                "detect": attempt > old_attempt,
-                "delete": not old,
-                "schedule": len(new) == 2 and all(p["spec"].get("nodeName") for p in new),
-                "start": len(new) == 2 and all(p["status"].get("phase") == "Running" for p in new),
+                "detect": acted or victim is None,
+                "delete": (gone and acted) or victim is None,
+                "schedule": len(current) == 2 and all(p["spec"].get("nodeName") for p in current),
+                "start": len(current) == 2 and all(p["status"].get("phase") == "Running" for p in current),
             }
             for phase, done in seen.items():
                 if phase not in marks and not done:
                     break
-                marks.setdefault(phase, now)
+                marks.setdefault(phase, fault if victim is None and attempt == old_attempt else now)
             if "start" in marks:
-                for pod in new:
-                    found = trainer_marks(self.log_of(pod), after=marks["start"] - 1)
+                # rank 0 may be on any node after a new round: the first pod whose log has the whole resume
+                for pod in current:
+                    found = trainer_marks(self.log_of(pod), after=fault)
                     if "first step" in found:
                         marks.update(found)
+                        break
             time.sleep(0.1)
+        marks["attempts"] = self.status().get("attempt", 0) - old_attempt
         return marks
 
 
@@ -171,21 +193,27 @@ def run_fault(bench: Bench, kind: str) -> dict:
     from sharded_operator.models import LABEL_INDEX
 
     bench.training()
-    status = bench.status()
-    attempt = status["attempt"]
+    before = bench.status()
     victim = next(p for p in bench.pods() if p["metadata"]["labels"][LABEL_INDEX] == "1")
+    run = bench.stack.agent.runs[victim["metadata"]["uid"]]
     extra: dict[str, float] = {}
-    if kind == "pod-kill":
-        run = bench.stack.agent.runs[victim["metadata"]["uid"]]
+    in_place = bench.in_place
+    if kind == "worker-crash":
+        worker = bench.stack.agent.trainer_workers(run)[0]
+        fault = time.time()
+        os.kill(worker, signal.SIGKILL)
+        # In place, torchrun restarts it in the same pod; otherwise the pod fails and the gang is recreated.
+        marks = bench.measure(fault, before, None if in_place else victim["metadata"]["uid"])
+    elif kind == "pod-kill":
         fault = time.time()
         os.killpg(run.proc.pid, signal.SIGKILL)
-        marks = bench.measure(fault, attempt)
+        marks = bench.measure(fault, before, victim["metadata"]["uid"])
     elif kind == "node-not-ready":
         node = victim["spec"]["nodeName"]
         fault = time.time()
         bench.stack.agent.lose_node(node, freeze=True)
         try:
-            marks = bench.measure(fault, attempt)
+            marks = bench.measure(fault, before, victim["metadata"]["uid"])
         finally:
             bench.stack.agent.restore_node(node)  # its frozen processes are killed: their pod is gone
     elif kind == "suspend":
@@ -197,16 +225,22 @@ def run_fault(bench: Bench, kind: str) -> dict:
         fault = time.time()
         patch["spec"]["runPolicy"]["suspend"] = False
         bench.stack.cluster.api("PATCH", bench.path, patch, "application/merge-patch+json")
-        marks = bench.measure(fault, attempt)
+        marks = bench.measure(fault, bench.status(), victim["metadata"]["uid"])
     else:
         raise ValueError(kind)
-    return {"fault": kind, "phases": breakdown(marks), **extra}
+    attempts = marks.pop("attempts")
+    return {"mode": "in-place" if in_place else "gang", "fault": kind, "new_attempts": attempts,
+            "phases": breakdown(marks), **extra}  # fmt: skip
+
+
+FAULTS = {"gang": "worker-crash,pod-kill,node-not-ready,suspend", "in-place": "worker-crash,pod-kill,node-not-ready"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--faults", default="pod-kill,node-not-ready,suspend")
+    parser.add_argument("--modes", default="gang,in-place", help="which jobs, in this order")
+    parser.add_argument("--faults", help="comma-separated; default: every fault the mode has")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
 
@@ -215,13 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="sharded-recovery-")), nodes=3).start()
     results = []
     try:
-        bench = Bench(stack, "recovery")
-        stack.cluster.api("POST", bench.path.rsplit("/", 1)[0], job(bench.name))
-        for i in range(args.repeat):
-            for kind in args.faults.split(","):
-                result = run_fault(bench, kind)
-                results.append(result)
-                print(f"[recovery] {i + 1}/{args.repeat} {json.dumps(result)}", flush=True)
+        for mode in args.modes.split(","):
+            bench = Bench(stack, f"recovery-{mode}", in_place=mode == "in-place")
+            stack.cluster.api("POST", bench.path.rsplit("/", 1)[0], job(bench.name, bench.in_place))
+            for i in range(args.repeat):
+                for kind in (args.faults or FAULTS[mode]).split(","):
+                    result = run_fault(bench, kind)
+                    results.append(result)
+                    print(f"[recovery] {mode} {i + 1}/{args.repeat} {json.dumps(result)}", flush=True)
+            stack.cluster.api("DELETE", bench.path)
+            bench.wait(lambda b=bench: not b.pods(), "the job's pods gone")
     finally:
         stack.stop()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -241,11 +278,20 @@ def table(results: list[dict]) -> str:
     """A markdown table: one row per fault, the median of each phase over the repeats."""
     import statistics
 
-    rows = ["| fault | n | " + " | ".join(PHASES) + " | total |", "| --- | ---: |" + " ---: |" * (len(PHASES) + 1)]
-    for kind in dict.fromkeys(r["fault"] for r in results):
-        runs = [r["phases"] for r in results if r["fault"] == kind]
-        cells = [f"{statistics.median(r[p] for r in runs):.1f}" for p in [*PHASES, "total"]]
-        rows.append(f"| {kind} | {len(runs)} | " + " | ".join(cells) + " |")
+    rows = [
+        "| mode | fault | n | new attempts | " + " | ".join(PHASES) + " | total | gang / this |",
+        "| --- | --- | ---: | ---: |" + " ---: |" * (len(PHASES) + 2),
+    ]
+    totals: dict[tuple[str, str], float] = {}
+    for mode, kind in dict.fromkeys((r.get("mode", "gang"), r["fault"]) for r in results):
+        runs = [r for r in results if (r.get("mode", "gang"), r["fault"]) == (mode, kind)]
+        phases = [r["phases"] for r in runs]
+        totals[mode, kind] = statistics.median(r["total"] for r in phases)
+        ratio = totals.get(("gang", kind), 0) / totals[mode, kind] if ("gang", kind) in totals else None
+        cells = [f"{statistics.median(r[p] for r in phases):.1f}" for p in [*PHASES, "total"]]
+        attempts = sorted({r.get("new_attempts", 1) for r in runs})
+        rows.append(f"| {mode} | {kind} | {len(runs)} | {','.join(map(str, attempts))} | " + " | ".join(cells)
+                    + f" | {f'{ratio:.2f}x' if ratio else '-'} |")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -296,6 +296,19 @@ class NodeAgent:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(run.proc.pid, signal.SIGKILL)
 
+    def trainer_workers(self, run: PodRun) -> list[int]:
+        """PIDs of the pod's torchrun workers (process mode): in its network namespace, neither the launcher
+        nor torchrun itself."""
+        workers = []
+        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"sharded_trainer" in argv and not {b"sharded_trainer.launch", b"torch.distributed.run"} & set(argv):
+                workers.append(int(pid))
+        return workers
+
     def _signal_all(self, run: PodRun, sig: int) -> None:
         for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
             with contextlib.suppress(ProcessLookupError, ValueError):

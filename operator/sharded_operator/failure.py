@@ -109,25 +109,34 @@ def current_failures(
     return out
 
 
+def store_trouble(job: ShardedTrainingJob, obs: Observed, now: dt.datetime) -> str | None:
+    """Why the rendezvous store pod cannot serve (it ended, is being deleted, or is on a lost node); None
+    when it is fine or absent."""
+    store = obs.store
+    if store is None:
+        return None
+    if store.phase in POD_FINISHED:
+        return f"the rendezvous store pod {store.name} ended ({store.phase}, exit code {store.exit_code})"
+    if store.deleting:
+        return f"the rendezvous store pod {store.name} is being deleted"
+    if lost := node_lost(job, obs, store.node, now):
+        return f"the rendezvous store pod {store.name}: {lost}"
+    return None
+
+
 def store_lost(
     job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed, now: dt.datetime
 ) -> FailureInfo | None:
-    """The rendezvous store pod ended, is being deleted, is on a lost node, or vanished while the attempt's
-    agents may depend on it: every agent's next rendezvous (and its heartbeat) needs it."""
+    """The store pod is in trouble or vanished while pods of the attempt run: their agents may have joined
+    through it, and every agent's next round (and its heartbeat) needs it. Before any pod runs, it is only
+    made again (`decide`)."""
     if not obs.store_listed or status.phase not in (Phase.STARTING, Phase.RUNNING):
         return None
+    if not any(p.attempt == status.attempt and p.phase == "Running" for p in obs.pods):
+        return None
     store = obs.store
-    if store is None:
-        if not any(p.attempt == status.attempt and p.phase == "Running" for p in obs.pods):
-            return None  # created again before any agent of this attempt could have used it
-        message = "the rendezvous store pod disappeared"
-    elif store.phase in POD_FINISHED:
-        message = f"the rendezvous store pod {store.name} ended ({store.phase}, exit code {store.exit_code})"
-    elif store.deleting:
-        message = f"the rendezvous store pod {store.name} is being deleted"
-    elif lost := node_lost(job, obs, store.node, now):
-        message = f"the rendezvous store pod {store.name}: {lost}"
-    else:
+    message = "the rendezvous store pod disappeared" if store is None else store_trouble(job, obs, now)
+    if message is None:
         return None
     return FailureInfo(
         pod=store.name if store else None, node=store.node if store else None, reason="RendezvousLost",

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from sharded_operator.models import GROUP, KIND, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.models import GROUP, KIND, PLURAL, VERSION, training_pods
 
 T = TypeVar("T")
 _TRANSIENT = {429, 500, 502, 503, 504}
@@ -114,7 +114,7 @@ class Kube:
     @retrying
     def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """The job's training pods (each has a node index), not its rendezvous store pod."""
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job},{LABEL_INDEX}")
+        pods = self.core.list_namespaced_pod(namespace, label_selector=training_pods(job))
         return [self._dict(p) for p in pods.items]
 
     @retrying

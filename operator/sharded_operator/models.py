@@ -46,6 +46,12 @@ LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_ROLE = f"{GROUP}/role"  # set on the rendezvous store pod only: training pods carry a node index instead
 ROLE_RENDEZVOUS = "rendezvous"
 STORE_CONTAINER = "rendezvous"
+
+
+def training_pods(job: str) -> str:
+    """Label selector of a job's training pods (those with a node index), not its rendezvous store pod."""
+    return f"{LABEL_JOB}={job},{LABEL_INDEX}"
+
 # On the checkpoint claim, which outlives its job when retained: the UID of the job that created it.
 ANNOTATION_CREATED_BY = f"{GROUP}/created-by-uid"
 CONTAINER = TRAINER_CONTAINER  # the trainer's container in every pod

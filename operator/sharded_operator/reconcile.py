@@ -113,7 +113,7 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         for pod in plan.force_delete:
             ctx.kube.delete_pod(namespace, pod, 0)
         if plan.delete_store:
-            ctx.kube.delete_pod(namespace, builders.store_pod_name(job), None)
+            ctx.kube.delete_pod(namespace, builders.store_pod_name(job), plan.store_grace)
         # 2. children the pods need, then the pods of the current attempt (built from the decided status:
         #    a host-network job's port is chosen once, before its first child)
         if job.spec.network.host_network and plan.status.host_port is None and plan.status.phase not in FINISHED:

@@ -17,10 +17,12 @@ from sharded_operator.failure import (
     is_disruption,
     is_permanent,
     missing_pods,
+    node_lost,
     recovery_of,
     recovery_overdue,
     replaceable,
     store_lost,
+    store_trouble,
     stuck_on_lost_nodes,
 )
 from sharded_operator.models import (
@@ -51,6 +53,7 @@ class Plan:
     grace_seconds: int | None = None
     create_store: bool = False  # the rendezvous store pod, with the pods (it serves every attempt)
     delete_store: bool = False
+    store_grace: int | None = None  # 0 for a store pod on a lost node: no kubelet will confirm it gone
     delete_job: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
 
@@ -207,6 +210,12 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     present = {p.index for p in current}
     plan.create = [i for i in range(spec.nodes) if i not in present]
     plan.create_store = obs.store_listed and obs.store is None
+    if trouble := store_trouble(job, obs, now):
+        # Pods created now would join through a store about to go: they wait for the next one instead.
+        _drop_store(plan, obs, job, now)
+        plan.create = []
+        set_phase(status, status.phase or Phase.PENDING, "WaitingForRendezvousStore", trouble, ts)
+        return plan
     running = [p for p in current if p.phase == "Running"]
     set_ready(status, len(running), spec.nodes)
     if plan.create and not current:
@@ -310,9 +319,17 @@ def _replace_alone(
     )  # fmt: skip
 
 
-def _drop_store(plan: Plan, obs: Observed) -> None:
-    """Nothing will rendezvous again (suspended or finished): the store pod goes too."""
-    plan.delete_store = obs.store is not None and not obs.store.deleting
+def _drop_store(
+    plan: Plan, obs: Observed, job: ShardedTrainingJob | None = None, now: dt.datetime | None = None
+) -> None:
+    """The store pod goes: nothing will rendezvous again (suspended, finished), or it cannot serve the next
+    attempt. On a lost node it is deleted without grace (its name is needed for the next one)."""
+    store = obs.store
+    if store is None:
+        return
+    lost = job is not None and now is not None and node_lost(job, obs, store.node, now)
+    plan.delete_store = not store.deleting or bool(lost)
+    plan.store_grace = 0 if lost else None
 
 
 def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace: int, now: dt.datetime) -> Plan:
@@ -338,8 +355,8 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
     status.attempt += 1
     status.recovery = None
     plan.delete = [p.name for p in obs.pods if not p.deleting]
-    if failure.reason == "RendezvousLost":  # a new one is made with the next attempt's pods
-        _drop_store(plan, obs)
+    if failure.reason == "RendezvousLost" or store_trouble(job, obs, now):  # made again with the next pods
+        _drop_store(plan, obs, job, now)
     plan.grace_seconds = grace
     set_ready(status, 0, job.spec.nodes)
     set_phase(

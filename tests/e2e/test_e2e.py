@@ -71,21 +71,6 @@ def test_killed_pod_process_restarts_the_gang_and_resumes_from_the_newest_checkp
     assert status["progress"]["step"] == 80 and jobs.checkpoints(name)[-1] == 80
 
 
-def trainer_workers(run) -> list[int]:
-    """The torchrun workers of a pod run as processes: in its network namespace, neither the launcher nor
-    torchrun itself."""
-    pids = subprocess.run(["ip", "netns", "pids", run.netns], capture_output=True, text=True).stdout.split()
-    workers = []
-    for pid in pids:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"sharded_trainer" in argv and not {b"sharded_trainer.launch", b"torch.distributed.run"} & set(argv):
-            workers.append(int(pid))
-    return workers
-
-
 def pod_objects(stack, name: str) -> dict[str, int]:
     """How many pod objects of each name of the job (its training pods and its rendezvous store pod) ran:
     the node agent keeps a directory per pod UID, after the pod is gone too."""
@@ -104,7 +89,7 @@ def test_a_killed_worker_is_restarted_in_place_and_no_pod_is_recreated(jobs, sta
     jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
     assert pod_objects(stack, name) == {f"{name}-0": 1, f"{name}-1": 1, f"{name}-rdzv": 1}
     victim = next(r for r in jobs.runs(name) if r.name == f"{name}-1")
-    workers = trainer_workers(victim)
+    workers = stack.agent.trainer_workers(victim)
     assert len(workers) == 2, workers
     os.kill(workers[0], signal.SIGKILL)  # one trainer process, not the pod
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")

@@ -13,7 +13,7 @@ from jobs import make_job
 from localstack import OperatorProcess
 from reports import mint, post
 from sharded_operator.election import LEASE_SECONDS
-from sharded_operator.models import GROUP, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.models import GROUP, PLURAL, VERSION, training_pods
 
 pytestmark = pytest.mark.integration
 LEASE = "sharded-operator"
@@ -67,7 +67,7 @@ def test_the_standby_takes_over_when_the_active_replica_is_killed(cluster, core,
     standby = replicas[1 - replicas.index(active)]
 
     def pods(name: str) -> list:
-        return core.list_namespaced_pod(ha_namespace, label_selector=f"{LABEL_JOB}={name}").items
+        return core.list_namespaced_pod(ha_namespace, label_selector=training_pods(name)).items
 
     def running(name: str, n: int):
         ps = [p for p in pods(name) if p.status.phase == "Running"]

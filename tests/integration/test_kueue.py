@@ -15,7 +15,7 @@ from kubernetes.client.rest import ApiException
 from conftest import wait_for
 from jobs import make_job
 from localkueue import MANAGED_LABEL, LocalKueue, can_run
-from sharded_operator.models import GROUP, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.models import GROUP, PLURAL, VERSION, training_pods
 
 pytestmark = [
     pytest.mark.integration,
@@ -74,7 +74,7 @@ def submit(custom, namespace: str, name: str, gpus: int, queue: str) -> None:
 
 
 def pods_of(core, namespace: str, name: str) -> list:
-    return core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}").items
+    return core.list_namespaced_pod(namespace, label_selector=training_pods(name)).items
 
 
 def gated(pod) -> bool:

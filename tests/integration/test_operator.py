@@ -12,7 +12,15 @@ from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
 from jobs import make_job
-from sharded_operator.models import ANNOTATION_CREATED_BY, GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.models import (
+    ANNOTATION_CREATED_BY,
+    GROUP,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    PLURAL,
+    VERSION,
+    training_pods,
+)
 from sharded_trainer.contract import iso
 
 pytestmark = pytest.mark.integration
@@ -39,7 +47,7 @@ class Ops:
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, {"spec": spec})
 
     def pods(self, name="j") -> list:
-        return self.core.list_namespaced_pod(self.ns, label_selector=f"{LABEL_JOB}={name}").items
+        return self.core.list_namespaced_pod(self.ns, label_selector=training_pods(name)).items
 
     def wait_phase(self, phase: str, name="j", timeout=60) -> dict:
         return wait_for(

@@ -23,7 +23,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from jobs import make_job
-from sharded_operator.models import GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.models import GROUP, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
 
 pytestmark = pytest.mark.soak
 ROUNDS = 5
@@ -87,7 +87,7 @@ class Soak:
     def live_pods(self, name: str, attempt: int) -> list[client.V1Pod]:
         return [
             p for p in self.pods(name)
-            if p.metadata.labels[LABEL_ATTEMPT] == str(attempt) and not p.metadata.deletion_timestamp
+            if p.metadata.labels.get(LABEL_ATTEMPT) == str(attempt) and not p.metadata.deletion_timestamp
         ]  # fmt: skip
 
     def patch(self, name: str, spec: dict) -> None:
@@ -132,7 +132,8 @@ class Soak:
                 continue
             by_job: dict[str, list[client.V1Pod]] = {}
             for p in pods:
-                if not p.metadata.deletion_timestamp and p.status.phase in ("Pending", "Running"):
+                training = LABEL_INDEX in p.metadata.labels  # not the job's rendezvous store pod
+                if training and not p.metadata.deletion_timestamp and p.status.phase in ("Pending", "Running"):
                     by_job.setdefault(p.metadata.labels[LABEL_JOB], []).append(p)
             for name, live in by_job.items():
                 exp = self.jobs.get(name)
@@ -234,10 +235,12 @@ def test_jobs_survive_a_seeded_schedule_of_faults(core, custom, namespace, opera
 
         # A node goes away under its pods: a disruption for every running job with a pod there.
         node = next(p.spec.node_name for p in soak.pods() if p.spec.node_name and p.status.phase == "Running")
-        hit = {
-            p.metadata.labels[LABEL_JOB] for p in soak.pods()
-            if p.spec.node_name == node and not p.metadata.deletion_timestamp and p.status.phase == "Running"
-        }  # fmt: skip
+        # A job is hit by a training pod there, or by its rendezvous store pod there while its training pods run.
+        live = [p for p in soak.pods() if not p.metadata.deletion_timestamp and p.status.phase == "Running"]
+        running = {p.metadata.labels[LABEL_JOB] for p in live if LABEL_INDEX in p.metadata.labels}
+        on_node = [(p.metadata.labels[LABEL_JOB], LABEL_INDEX in p.metadata.labels) for p in live
+                   if p.spec.node_name == node]  # fmt: skip
+        hit = {job for job, training in on_node if training or job in running}
         soak.say(f"node {node} deleted under {sorted(hit)}")
         core.delete_node(node)
         for name in hit:

@@ -127,8 +127,13 @@ def test_recovery_phases_are_split_at_the_moments_seen_and_logged():
     phases = recovery.breakdown(marks)
     assert phases == {"detect": 1.0, "delete": 2.0, "schedule": 0.5, "start": 0.5, "rendezvous": 3.0, "load": 2.5,
                       "first step": 0.5, "total": 10.0}  # fmt: skip
-    table = recovery.table([{"fault": "pod-kill", "phases": phases}] * 2)
-    assert "| pod-kill | 2 | 1.0 | 2.0 | 0.5 | 0.5 | 3.0 | 2.5 | 0.5 | 10.0 |" in table
+    in_place = {**{p: 0.0 for p in phases}, "rendezvous": 2.0, "load": 1.5, "first step": 0.5, "total": 4.0}
+    table = recovery.table(
+        [{"mode": "gang", "fault": "pod-kill", "new_attempts": 1, "phases": phases}] * 2
+        + [{"mode": "in-place", "fault": "pod-kill", "new_attempts": 0, "phases": in_place}]
+    )
+    assert "| gang | pod-kill | 2 | 1 | 1.0 | 2.0 | 0.5 | 0.5 | 3.0 | 2.5 | 0.5 | 10.0 | 1.00x |" in table
+    assert "| in-place | pod-kill | 1 | 0 | 0.0 | 0.0 | 0.0 | 0.0 | 2.0 | 1.5 | 0.5 | 4.0 | 2.50x |" in table
 
 
 def test_a_recovery_without_a_resume_has_no_first_step_yet():

@@ -177,8 +177,11 @@ def test_a_hang_is_the_gangs_failure_never_one_pods():
         (PodView(**{**vars(STORE), "deleting": True}), True, "RendezvousLost"),
         (PodView(**{**vars(STORE), "node": "gone"}), True, "RendezvousLost"),
         (STORE, True, "fine"),
+        (PodView(**{**vars(STORE), "phase": "Failed", "exit_code": 1}), False, "wait"),
+        (PodView(**{**vars(STORE), "node": "gone"}), False, "wait"),
     ],
-    ids=["absent-before-start", "vanished", "failed", "deleted", "node-lost", "running"],
+    ids=["absent-before-start", "vanished", "failed", "deleted", "node-lost", "running", "failed-before-start",
+         "node-lost-before-start"],
 )
 def test_the_rendezvous_store_pod(store, running, verdict):
     pods = gang(phase="Running" if running else "Pending")
@@ -187,7 +190,13 @@ def test_the_rendezvous_store_pod(store, running, verdict):
         # a disruption (the infrastructure's): a new attempt not counted against backoffLimit, and a new store
         assert plan.status.attempt == 2 and plan.status.last_failure.reason == "RendezvousLost"
         assert plan.status.restarts == 0 and plan.status.disruptions == 1
-        assert plan.delete_store == (store is not None and not store.deleting)
+        assert plan.delete_store == (store is not None and (not store.deleting or store.node == "gone"))
+        assert plan.store_grace == (0 if store is not None and store.node == "gone" else None)
+    elif verdict == "wait":
+        # no pod may join through a store about to go: it goes (without grace on a lost node), they wait
+        assert plan.status.attempt == 1 and plan.delete_store and plan.create == [] and not plan.create_store
+        assert plan.store_grace == (0 if store.node == "gone" else None)
+        assert running_reason(plan) != "AllNodesRunning" and "rendezvous store" in plan.status.message
     else:
         assert plan.status.attempt == 1 and plan.create_store == (verdict == "create") and not plan.delete_store
 

@@ -42,7 +42,9 @@ def _missing_indices(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, 
         return []
     present = {p.index for p in obs.pods if p.attempt == status.attempt}
     pending = set(rec.pending) if (rec := recovery_of(status)) else set()
-    return [i for i in range(job.spec.nodes) if i not in present and i not in pending]
+    # Indices an elastic job just grew to have no pod yet: never made, not missing.
+    had = min(job.spec.nodes, status.desired_nodes or job.spec.nodes)
+    return [i for i in range(had) if i not in present and i not in pending]
 
 
 def missing_pods(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed) -> list[str]:
@@ -70,8 +72,11 @@ def current_failures(
     """Every sign that the current attempt is broken, one per pod, each with the time it happened."""
     ts = iso(now)
     retired = set(rec.retired) if (rec := recovery_of(status)) else set()
-    # A pod already replaced alone is going away on purpose: its failure has been handled.
-    current = [p for p in obs.pods if p.attempt == status.attempt and p.uid not in retired]
+    # A pod already replaced alone is going away on purpose: its failure has been handled; so is one beyond
+    # spec.nodes (an elastic job resized down).
+    current = [
+        p for p in obs.pods if p.attempt == status.attempt and p.uid not in retired and p.index < job.spec.nodes
+    ]
     out = []
     for p in sorted(current, key=lambda p: p.index):
         where = {"pod": p.name, "node": p.node, "node_rank": p.index, "attempt": status.attempt}

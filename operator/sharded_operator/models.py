@@ -124,9 +124,10 @@ class ShardedTrainingJobSpec(ApiModel):
             "fieldPath": ".strategy.type",
         },
         {
-            "rule": "self.nodes == oldSelf.nodes || (has(oldSelf.runPolicy) && oldSelf.runPolicy.suspend)",
-            "message": "nodes can change only while the job is suspended (runPolicy.suspend: true): a running gang "
-            "has a fixed size",
+            "rule": "self.nodes == oldSelf.nodes || (has(oldSelf.runPolicy) && oldSelf.runPolicy.suspend) "
+            "|| (has(self.elastic) && has(oldSelf.elastic))",
+            "message": "nodes can change only while the job is suspended (runPolicy.suspend: true) or, with elastic, "
+            "within elastic.minNodes..maxNodes: a fixed-size gang has a fixed size",
             "fieldPath": ".nodes",
         },
     )
@@ -229,6 +230,11 @@ class Progress(StatusModel):
     attempt: int | None = Field(None, ge=0, description="Attempt the report came from.")
     run: str | None = Field(None, description="The reporting trainer process (a new one after each in-place restart).")
     restart: int | None = Field(None, ge=0, description="torchrun's restart count on the reporting node.")
+    nodes: int | None = Field(None, ge=1, description="Nodes in the rendezvous round training runs with.")
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step at the current world size (nearest to "
+        "trainer.globalBatchSize when that does not divide)."
+    )
     observed_at: str | None = Field(
         None, description="When the operator first saw this report (its clock; hang detection counts from here)."
     )
@@ -291,6 +297,10 @@ class ShardedTrainingJobStatus(StatusModel):
     conditions: list[Condition] = Field(default_factory=list, description="Kubernetes-style conditions.")
     ready: str | None = Field(None, description="Running pods / nodes, e.g. 3/4.")
     ready_nodes: int = Field(0, description="Pods of the current attempt that are running.")
+    desired_nodes: int | None = Field(None, description="spec.nodes as last acted on.")
+    current_nodes: int | None = Field(
+        None, description="Nodes training now: the current attempt's rendezvous round, as its rank 0 reports it."
+    )
     attempt: int = Field(0, description="Current attempt (a fresh gang and rendezvous id each).")
     restarts: int = Field(0, description="Gang restarts so far (counted against backoffLimit).")
     disruptions: int = Field(
@@ -356,6 +366,8 @@ class ShardedTrainingJob(Ruled):
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+    {"name": "Nodes", "type": "integer", "jsonPath": ".status.currentNodes"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredNodes"},
     {"name": "Strategy", "type": "string", "jsonPath": ".spec.strategy.type"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},

@@ -136,6 +136,7 @@ def merge_report(
     progress = Progress(
         step=report.step, total_steps=report.total_steps, loss=report.loss, tokens_per_second=report.tokens_per_second,
         mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt, run=report.run, restart=report.restart,
+        nodes=report.nodes, global_batch_size=report.global_batch_size,
         observed_at=old.observed_at if same and old else now,
     )  # fmt: skip
     patch: dict[str, Any] = {"progress": progress}

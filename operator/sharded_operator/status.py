@@ -180,7 +180,9 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     if deadline and active and (now - active).total_seconds() > deadline:
         return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
 
-    _follow_recovery(plan, obs, now)
+    _follow_recovery(plan, obs, now, elastic=spec.elastic is not None)
+    if _elastic_finished(job, current):
+        return _succeed(job, plan, current, ts)
     failures = current_failures(job, status, obs, now)
     failure = (
         first_failure(job, failures) or hang(job, status, now) or store_lost(job, status, obs, now)
@@ -192,20 +194,24 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         return _restart_or_fail(job, plan, obs, failure, grace["restart"], now)
     if missing_pods(job, status, obs):  # gone, but why is not known yet: no replacement, no verdict
         return plan
+    _follow_size(job, plan, now)  # after the missing pods are judged by the size they were made for
 
     # Old attempts must be gone before the new one starts: pod names are reused.
     plan.delete += [p.name for p in stale if not p.deleting]
+    # An elastic job resized below its pods: the highest indices go, with their final checkpoint (every rank
+    # takes it with them); the others restart in place and train on at the next round.
+    surplus = [p.name for p in current if p.index >= spec.nodes and not p.deleting]
+    if surplus:
+        plan.delete += surplus
+        plan.events.append(("Normal", "ScalingDown", f"spec.nodes is {spec.nodes}: deleting {', '.join(surplus)}"))
+    current = [p for p in current if p.index < spec.nodes]
     plan.grace_seconds = grace["restart"]
     if stale:
         set_phase(status, status.phase or Phase.PENDING, "WaitingForOldPods", "waiting for the previous pods to go", ts)
         return plan
 
     if current and all(p.phase == "Succeeded" for p in current) and len(current) == spec.nodes:
-        status.completion_time = ts
-        set_ready(status, 0, spec.nodes)
-        set_phase(status, Phase.SUCCEEDED, "Completed", f"all {spec.nodes} nodes finished", ts)
-        plan.events.append(("Normal", "Succeeded", f"training finished after {status.restarts} restarts"))
-        return plan
+        return _succeed(job, plan, current, ts)
 
     present = {p.index for p in current}
     plan.create = [i for i in range(spec.nodes) if i not in present]
@@ -257,10 +263,39 @@ def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], no
     _announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
 
 
-def _follow_recovery(plan: Plan, obs: Observed, now: dt.datetime) -> None:
+def _follow_size(job: ShardedTrainingJob, plan: Plan, now: dt.datetime) -> None:
+    """desiredNodes and currentNodes (the round rank 0 of this attempt trains in), and an event on a resize."""
+    status, spec = plan.status, job.spec
+    if status.desired_nodes not in (None, spec.nodes):
+        plan.events.append(("Normal", "Resizing", f"nodes {status.desired_nodes} -> {spec.nodes}"))
+    status.desired_nodes = spec.nodes
+    progress = status.progress
+    status.current_nodes = progress.nodes if progress and progress.attempt == status.attempt else None
+
+
+def _elastic_finished(job: ShardedTrainingJob, current: list[PodView]) -> bool:
+    """With elastic, training is over once minNodes pods of the attempt succeeded: a pod exits 0 only when
+    every rank of its round finished the last step."""
+    elastic = job.spec.elastic
+    return elastic is not None and sum(p.phase == "Succeeded" for p in current) >= elastic.min_nodes
+
+
+def _succeed(job: ShardedTrainingJob, plan: Plan, current: list[PodView], ts: str) -> Plan:
+    """Pods that never joined the last round (a replacement still pending, a straggler) are deleted, not judged."""
+    status, nodes = plan.status, job.spec.nodes
+    done = [p for p in current if p.phase == "Succeeded"]
+    plan.delete += [p.name for p in current if p.phase != "Succeeded" and not p.deleting]
+    status.completion_time = ts
+    set_ready(status, 0, nodes)
+    set_phase(status, Phase.SUCCEEDED, "Completed", f"all {len(done)} nodes finished", ts)
+    plan.events.append(("Normal", "Succeeded", f"training finished after {status.restarts} restarts"))
+    return plan
+
+
+def _follow_recovery(plan: Plan, obs: Observed, now: dt.datetime, *, elastic: bool = False) -> None:
     """Keep the in-place recovery in step with what is observed: replacements seen are no longer pending,
     retired pods gone are forgotten, and a report from a new trainer process once nothing is pending means
-    training resumed."""
+    training resumed (with elastic, while replacements are pending too: the survivors train on)."""
     status = plan.status
     rec = recovery_of(status)
     if rec is None:
@@ -274,7 +309,7 @@ def _follow_recovery(plan: Plan, obs: Observed, now: dt.datetime) -> None:
     since = parse_iso(rec.since)
     observed = parse_iso(progress.observed_at) if progress else None
     if (
-        since and not rec.pending and progress and progress.attempt == status.attempt
+        since and (elastic or not rec.pending) and progress and progress.attempt == status.attempt
         and progress.run not in (None, rec.run) and observed and observed >= since
     ):  # fmt: skip
         what = rec.last.pod if rec.last else "a pod"

@@ -28,7 +28,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def stack():
-    s = LocalStack(Path(tempfile.mkdtemp(prefix="sharded-e2e-"))).start()
+    s = LocalStack(Path(tempfile.mkdtemp(prefix="sharded-e2e-")), nodes=3).start()  # 3: the elastic job
     yield s
     s.stop()
 
@@ -130,13 +130,59 @@ def test_losing_the_rendezvous_store_restarts_the_gang_as_a_disruption(jobs, sta
     name = "e2e-store"
     jobs.create(job(name, steps=60, failurePolicy={"backoffLimit": 2, "inPlaceRestarts": 2}))
     jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
-    stack.agent.crash(next(r for r in jobs.runs(name) if r.name == f"{name}-rdzv"))
+    stack.agent.crash(next(r for r in jobs.runs(name, store=True) if r.name == f"{name}-rdzv"))
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
     assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
     assert status["attempt"] == 2 and status["disruptions"] == 1 and status["restarts"] == 0
     assert status["lastFailure"]["reason"] == "RendezvousLost" and status["podReplacements"] == 0
     assert pod_objects(stack, name) == {f"{name}-0": 2, f"{name}-1": 2, f"{name}-rdzv": 2}  # a new gang, a new store
     assert status["progress"]["step"] == 60 and jobs.checkpoints(name)[-1] == 60
+
+
+def test_an_elastic_job_trains_on_two_of_three_nodes_grows_back_and_is_resized_by_spec_nodes(jobs, stack):
+    """elastic 2..3 nodes, one pod per node (6 of a node's 8 CPUs each). A pod dies on a node that takes no
+    new pods: it is replaced alone, the replacement cannot schedule, and the two others train on at the next
+    rendezvous round; once the node takes pods again the replacement joins and training grows back to three;
+    `spec.nodes: 2` then takes the highest node away (with a final checkpoint) and the job finishes on two.
+    The global batch stays 48 throughout (accumulation 2 on three nodes, 3 on two); one attempt, no restart."""
+    name = "e2e-elastic"
+    trainer = {"model": {"preset": "tiny"}, "steps": 300, "microBatchSize": 4, "globalBatchSize": 48,
+               "seqLen": 64, "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 2}  # fmt: skip
+    body = job(name, steps=0, nodes=3, elastic={"minNodes": 2, "maxNodes": 3, "maxRestarts": 5},
+               resources={"cpu": 6, "memory": "2Gi"}, trainer=trainer)  # fmt: skip
+    jobs.create(body)
+
+    def training_on(n: int, past: int = 0):
+        def ok(s):
+            p = s.get("progress") or {}
+            return s.get("currentNodes") == n and p.get("step", 0) > past and p.get("globalBatchSize") == 48
+        return jobs.wait(name, ok, timeout=300, what=f"training on {n} nodes past step {past}")
+
+    step = training_on(3)["progress"]["step"]
+    pod = f"/api/v1/namespaces/{NS}/pods/{name}-2"
+    node = stack.cluster.api("GET", pod)["spec"]["nodeName"]
+    cordon = f"/api/v1/nodes/{node}"
+    stack.cluster.api("PATCH", cordon, {"spec": {"unschedulable": True}}, "application/merge-patch+json")
+    stack.agent.crash(next(r for r in jobs.runs(name) if r.name == f"{name}-2"))
+    status = training_on(2, past=step + 4)
+    assert status["attempt"] == 1 and status["podReplacements"] == 1 and status["desiredNodes"] == 3
+    replacement = stack.cluster.api("GET", pod)
+    assert replacement["status"]["phase"] == "Pending" and not replacement["spec"].get("nodeName")
+
+    stack.cluster.api("PATCH", cordon, {"spec": {"unschedulable": False}}, "application/merge-patch+json")
+    step = training_on(3, past=status["progress"]["step"])["progress"]["step"]
+    jobs.patch(name, {"nodes": 2})
+    training_on(2, past=step)
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=300, what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["attempt"] == 1 and status["restarts"] == 0 and status["podReplacements"] == 1
+    assert status["desiredNodes"] == 2 and status["progress"]["step"] == 300
+    reasons = jobs.event_reasons(name)
+    assert {"ReplacingPod", "RecoveredInPlace", "Resizing", "ScalingDown"} <= set(reasons), reasons
+    assert "Restarting" not in reasons
+    started = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "started"' in line]
+    worlds = [e["world"] for e in started]  # processes per round: 3 nodes x 2, 2 x 2, 3 x 2, 2 x 2
+    assert worlds[0] == 6 and 4 in worlds and worlds[-1] == 4, worlds
 
 
 def test_suspend_checkpoints_on_sigterm_and_resume_continues_from_that_step(jobs):
@@ -175,10 +221,11 @@ def test_deleting_the_job_stops_every_process(jobs, stack):
     name = "e2e-delete"
     jobs.create(job(name, steps=500))
     jobs.wait(name, lambda s: (s.get("progress") or {}).get("step", 0) >= 2, what="training")
-    runs = jobs.runs(name)
-    assert len(runs) == 2
+    runs = jobs.runs(name, store=True)
+    assert sorted(r.name for r in runs) == [f"{name}-0", f"{name}-1", f"{name}-rdzv"]
     jobs.delete(name)
-    wait_for(lambda: all(r.proc.poll() is not None for r in runs) and not jobs.runs(name), timeout=90, what="stopped")
+    wait_for(lambda: all(r.proc.poll() is not None for r in runs) and not jobs.runs(name, store=True), timeout=90,
+             what="stopped")  # fmt: skip
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert not any(r.netns in namespaces for r in runs)
     for r in runs:  # nothing of the pod's process group survives, torchrun's workers included

@@ -70,8 +70,12 @@ class Jobs:
         events = self.stack.cluster.api("GET", f"/apis/events.k8s.io/v1/namespaces/{NS}/events")["items"]
         return [e["reason"] for e in events if (e.get("regarding") or {}).get("name") == name]
 
-    def runs(self, name: str):
-        return [r for r in self.stack.agent.runs.values() if r.name.startswith(f"{name}-")]
+    def runs(self, name: str, store: bool = False):
+        """The node agent's runs of the job's training pods (and, with `store`, of its rendezvous store pod)."""
+        return [
+            r for r in self.stack.agent.runs.values()
+            if r.name.startswith(f"{name}-") and (store or r.name != f"{name}-rdzv")
+        ]  # fmt: skip
 
 
 def cleanup(jobs: Jobs) -> None:

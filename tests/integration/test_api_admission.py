@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from kubernetes.client.rest import ApiException
 
-from manifests import EXAMPLES, MALFORMED, load_example, mutate
+from manifests import DELETE, EXAMPLES, MALFORMED, load_example, mutate
 from sharded_operator.models import GROUP, PLURAL, VERSION
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ def test_short_name_and_printer_columns(cluster, crd_installed, custom, namespac
         text=True,
     ).stdout
     header = out.splitlines()[0].split()
-    assert header == ["NAME", "PHASE", "READY", "STRATEGY", "STEP", "RESTARTS", "CHECKPOINT", "AGE"]
+    assert header == ["NAME", "PHASE", "READY", "NODES", "DESIRED", "STRATEGY", "STEP", "RESTARTS", "CHECKPOINT", "AGE"]
     assert out.splitlines()[1].split()[0] == "quickstart"
 
 
@@ -114,3 +114,20 @@ def test_nodes_change_only_while_suspended(custom, crd_installed, namespace):
         GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(suspended, {"spec.nodes": 3})
     )
     assert resized["spec"]["nodes"] == 3
+    # An elastic job resizes while it runs, within its bounds (the spec's own rule); taking elastic away at the
+    # same time is a fixed-size change and refused.
+    elastic = {"spec.elastic": {"minNodes": 1, "maxNodes": 4}, "spec.runPolicy": {"suspend": False}, "spec.nodes": 2}
+    running = custom.replace_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(resized, elastic)
+    )
+    grown = custom.replace_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(running, {"spec.nodes": 4})
+    )
+    assert grown["spec"]["nodes"] == 4
+    for bad, message in [
+        ({"spec.nodes": 5}, "must lie between elastic.minNodes and elastic.maxNodes"),
+        ({"spec.nodes": 3, "spec.elastic": DELETE}, "nodes can change only while the job is suspended"),
+    ]:
+        with pytest.raises(ApiException) as exc:
+            custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(grown, bad))
+        assert message in json.loads(exc.value.body)["message"]

@@ -487,3 +487,50 @@ def test_added_containers_pull_secrets_runtime_class_and_limits_reach_pods_the_a
     trainer = spec.containers[0].resources
     assert (trainer.requests["cpu"], trainer.limits["cpu"], trainer.limits["memory"]) == ("2", "4", "4Gi")
     assert pods[0].status.qos_class == "Burstable"
+
+
+def test_a_failed_pod_is_replaced_alone_and_a_lost_store_restarts_the_gang(ops, core):
+    """The operator's in-place decisions against the real API server (KWOK pods, no trainer): only the failed
+    pod is recreated, in the same attempt; the rendezvous store pod is made with the pods, and losing it while
+    they run restarts the gang as a disruption, with a new store."""
+    def store():
+        found = core.list_namespaced_pod(ops.ns, field_selector="metadata.name=j-rdzv").items
+        return found[0] if found and found[0].status.phase == "Running" else None
+
+    ops.create(gpu_job().spec("failurePolicy.inPlaceRestarts", 2))
+    pods = ops.wait_running_attempt(1, 2)
+    first = wait_for(store, what="the store pod")
+    assert first.metadata.labels["training.sharded.dev/role"] == "rendezvous" and first.metadata.owner_references
+    uids = {p.metadata.name: p.metadata.uid for p in pods}
+    ops.exit("j-1", 1)
+
+    def replaced():
+        now = {p.metadata.name: p.metadata.uid for p in ops.pods() if p.status.phase == "Running"}
+        return len(now) == 2 and now["j-1"] != uids["j-1"] and now
+    now = wait_for(replaced, what="j-1 replaced alone")
+    status = ops.status()
+    assert now["j-0"] == uids["j-0"] and status["attempt"] == 1 and status["restarts"] == 0
+    assert status["podReplacements"] == 1 and status["recovery"]["pending"] == []
+    assert store().metadata.uid == first.metadata.uid
+
+    core.delete_namespaced_pod("j-rdzv", ops.ns, grace_period_seconds=0)
+    ops.wait_running_attempt(2, 2)
+    status = ops.status()
+    assert status["lastFailure"]["reason"] == "RendezvousLost" and status["disruptions"] == 1
+    assert status["restarts"] == 0
+    assert wait_for(store, what="a new store").metadata.uid != first.metadata.uid
+
+
+def test_an_elastic_job_is_resized_by_editing_nodes(ops):
+    ops.create(gpu_job(nodes=3).spec("elastic", {"minNodes": 2, "maxNodes": 3}))
+    pods = ops.wait_running_attempt(1, 3)
+    kept = {p.metadata.name: p.metadata.uid for p in pods if p.metadata.name != "j-2"}
+    ops.patch_spec({"nodes": 2})
+    wait_for(lambda: [p.metadata.name for p in ops.pods()] == ["j-0", "j-1"], what="j-2 deleted")
+    assert {p.metadata.name: p.metadata.uid for p in ops.pods()} == kept
+    assert ops.status()["desiredNodes"] == 2 and ops.status()["attempt"] == 1
+    ops.patch_spec({"nodes": 3})
+    pods = ops.wait_running_attempt(1, 3)
+    assert {p.metadata.name: p.metadata.uid for p in pods if p.metadata.name != "j-2"} == kept
+    status = ops.status()
+    assert status["desiredNodes"] == 3 and status["attempt"] == 1 and status["podReplacements"] == 0

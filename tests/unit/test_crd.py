@@ -35,7 +35,7 @@ def test_crd_schema_is_structural_and_documented():
     assert version["subresources"] == {"status": {}}
     assert crd["spec"]["names"]["shortNames"] == ["stj"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Ready", "Strategy", "Step", "Loss", "Restarts", "Checkpoint", "Age"]
+    assert columns == ["Phase", "Ready", "Nodes", "Desired", "Strategy", "Step", "Loss", "Restarts", "Checkpoint", "Age"]
 
 
 def test_cel_rules_are_present_for_cross_field_constraints():

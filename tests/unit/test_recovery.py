@@ -217,3 +217,49 @@ def test_a_recovery_of_an_earlier_attempt_is_void():
     j = job(attempt=2, recovery={"attempt": 1, "replacements": 2, "pending": [1], "retired": ["uid-1-a"]})
     plan = decide(j, seen(gang(attempt=2)), NOW, GRACE)
     assert plan.status.recovery is None and plan.create == []
+
+
+def elastic(nodes: int = 3, **status) -> ShardedTrainingJob:
+    fields = {"attempt": 1, "phase": "Running", "startTime": iso(NOW), "desiredNodes": 3, **status}
+    spec = make_job().nodes(nodes).spec("elastic", {"minNodes": 2, "maxNodes": 3, "maxRestarts": 3})
+    return spec.status(**fields).model()
+
+
+def test_elastic_trains_on_with_the_survivors_while_the_replacement_waits_for_capacity():
+    pods = gang()
+    observed = seen(pods)
+    del observed.nodes["node-2"]
+    j = then(elastic(), decide(elastic(), observed, NOW, GRACE))
+    assert j.status.recovery.pending == [2] and j.status.attempt == 1
+    # gone; its replacement cannot schedule; the two survivors rendezvous without it and report
+    replacement = PodView(name="j-2", index=2, attempt=1, phase="Pending", uid="uid-2-b", stuck="Unschedulable: 0/2")
+    j = j.model_copy(deep=True)
+    seen_at = iso(NOW + dt.timedelta(seconds=8))
+    j.status.progress = Progress(step=12, attempt=1, run="run-b", nodes=2, observed_at=seen_at)
+    later = NOW + dt.timedelta(seconds=9)
+    plan = decide(j, seen([pods[0], pods[1], replacement]), later, GRACE)
+    assert plan.status.recovery.since is None and "RecoveredInPlace" in reasons(plan)  # closed with it pending
+    assert plan.status.current_nodes == 2 and plan.status.desired_nodes == 3 and plan.status.ready == "2/3"
+    # much later, still no capacity: no timeout, no new attempt (it trains on two)
+    j = then(j, plan)
+    much_later = NOW + dt.timedelta(seconds=j.spec.failure_policy.in_place_timeout_seconds * 3)
+    assert decide(j, seen([pods[0], pods[1], replacement]), much_later, GRACE).status.attempt == 1
+
+
+def test_editing_nodes_resizes_an_elastic_job_in_place():
+    down = decide(elastic(nodes=2), seen(gang()), NOW, GRACE)
+    assert down.delete == ["j-2"] and down.create == [] and down.status.attempt == 1
+    assert {"Resizing", "ScalingDown"} <= set(reasons(down)) and down.status.desired_nodes == 2
+    going = [*gang()[:2], PodView(**{**vars(gang()[2]), "deleting": True})]
+    after = decide(then(elastic(nodes=2), down), seen(going), NOW, GRACE)  # not a failure: it was asked to go
+    assert after.status.attempt == 1 and after.status.recovery is None and after.delete == []
+    up = decide(elastic(nodes=3, desiredNodes=2), seen(gang(2)), NOW, GRACE)
+    assert up.create == [2] and up.status.attempt == 1 and "Resizing" in reasons(up)
+
+
+def test_an_elastic_job_succeeds_once_min_nodes_finished():
+    pods = [*gang(2, phase="Succeeded"), PodView(name="j-2", index=2, attempt=1, phase="Pending", uid="uid-2-b")]
+    plan = decide(elastic(), seen(pods), NOW, GRACE)
+    assert plan.status.phase == "Succeeded" and plan.delete == ["j-2"]  # it never joined: deleted, not judged
+    one = decide(elastic(), seen([*gang(1, phase="Succeeded"), *gang(3)[1:]]), NOW, GRACE)
+    assert one.status.phase != "Succeeded"  # fewer than minNodes done: not yet

@@ -58,6 +58,7 @@ class WorkerEnv(StrEnum):
     LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
     GROUP_RANK = "GROUP_RANK"
     RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # how many times torchrun has restarted the workers
+    GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"  # nodes (agents) in this rendezvous round
 
 
 # Variables torchrun and the operator own; a user value would break the rendezvous.
@@ -202,6 +203,12 @@ class TrainingProgress(Wire):
     last_checkpoint: CheckpointRef | None = Field(None, description="Newest committed checkpoint.")
     restart: Annotated[int, Field(ge=0, le=1000)] | None = Field(
         None, description="Times torchrun has restarted the workers in place before this run (0: the first run)."
+    )
+    nodes: Annotated[int, Field(ge=1, le=1024)] | None = Field(
+        None, description="Nodes in the rendezvous round this run trains with (an elastic job's current size)."
+    )
+    global_batch_size: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(
+        None, description="Samples per optimizer step at this world size (micro batch x accumulation x processes)."
     )
     updated_at: IsoTime = Field(..., description="When the trainer wrote this (its own clock).")
 

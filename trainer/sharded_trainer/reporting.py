@@ -63,8 +63,10 @@ class ProgressReporter:
         self.run = uuid.uuid4().hex[:12]  # tells this process's events from a restarted one's
         # torchrun's count of in-place restarts: the operator counts them in status.inPlaceRestarts.
         restart = os.environ.get(WorkerEnv.RESTART_COUNT, "0")
+        nodes = os.environ.get(WorkerEnv.GROUP_WORLD_SIZE, "")  # torchrun's: the round's nodes
         self.progress: dict[str, Any] = {"step": 0, "total_steps": total_steps,
-                                         "restart": int(restart) if restart.isdigit() else None}  # fmt: skip
+                                         "restart": int(restart) if restart.isdigit() else None,
+                                         "nodes": int(nodes) if nodes.isdigit() else None}  # fmt: skip
         self.events: list[TrainerEvent] = []
         self._seq = 0
         self._lock = threading.Lock()  # events: appended by training, acknowledged by the posting thread

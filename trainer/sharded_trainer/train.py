@@ -57,6 +57,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     report = ProgressReporter(
         target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
     )
+    report.progress["global_batch_size"] = global_batch  # sent with the first report
     def set_aside(info: dict) -> None:  # rank 0: a checkpoint that failed its checks or its load
         emit({"event": "set_aside", **info})
         report.event(

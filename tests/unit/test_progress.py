@@ -13,7 +13,7 @@ import pytest
 from jobs import make_job
 from sharded_operator.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, claim, micro_time
 from sharded_operator.intake import Bucket, TTLCache
-from sharded_operator.models import LABEL_ATTEMPT, LABEL_JOB
+from sharded_operator.models import LABEL_ATTEMPT, LABEL_JOB, ShardedTrainingJobStatus
 from sharded_operator.progress import (
     POD_NAME_EXTRA,
     POD_UID_EXTRA,
@@ -283,3 +283,18 @@ def test_a_change_of_only_the_reported_fields_does_not_cause_a_reconcile():
     assert _digest(reported) == _digest(job)
     assert _digest({**job, "status": {**job["status"], "phase": "Restarting"}}) != _digest(job)
     assert _digest({**job, "spec": {**job["spec"], "nodes": 3}}) != _digest(job)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("nodes", 0), ("nodes", 1025), ("nodes", 2.5), ("globalBatchSize", 0), ("globalBatchSize", 10**9),
+     ("restart", -1), ("restart", 1001)],
+)  # fmt: skip
+def test_a_report_with_an_out_of_range_size_or_restart_count_is_refused_by_the_contract(field, value):
+    with pytest.raises(ValueError, match=field):
+        report(**{field: value})
+
+
+def test_the_rounds_size_and_global_batch_reach_the_status():
+    merged, _ = merge_report(ShardedTrainingJobStatus(attempt=1), report(nodes=2, globalBatchSize=48), iso(NOW))
+    assert merged["progress"]["nodes"] == 2 and merged["progress"]["globalBatchSize"] == 48

@@ -508,9 +508,9 @@ def test_a_failed_pod_is_replaced_alone_and_a_lost_store_restarts_the_gang(ops, 
         now = {p.metadata.name: p.metadata.uid for p in ops.pods() if p.status.phase == "Running"}
         return len(now) == 2 and now["j-1"] != uids["j-1"] and now
     now = wait_for(replaced, what="j-1 replaced alone")
-    status = ops.status()
+    status = wait_for(lambda: (s := ops.status())["recovery"]["pending"] == [] and s, what="nothing pending")
     assert now["j-0"] == uids["j-0"] and status["attempt"] == 1 and status["restarts"] == 0
-    assert status["podReplacements"] == 1 and status["recovery"]["pending"] == []
+    assert status["podReplacements"] == 1 and status["recovery"]["retired"] == []
     assert store().metadata.uid == first.metadata.uid
 
     core.delete_namespaced_pod("j-rdzv", ops.ns, grace_period_seconds=0)

@@ -34,6 +34,9 @@ GAUGES = {
     "restarts": "Gang restarts counted against the backoff limit",
     "disruptions": "Restarts caused by disruptions (evictions, preemption, node loss)",
     "in_place_restarts": "Worker restarts inside running pods, no pod recreated",
+    "pod_replacements": "Pods replaced alone while the others kept running",
+    "current_nodes": "Nodes in the rendezvous round training runs with",
+    "desired_nodes": "Nodes the spec asks for",
     "attempt": "Current attempt",
 }
 PHASE_METRIC = PREFIX + "phase"
@@ -57,6 +60,8 @@ def row_of(namespace: str, job: str, status: ShardedTrainingJobStatus) -> Row:
         "tokens_per_second": p and p.tokens_per_second, "mfu": p and p.mfu,
         "checkpoint_step": ckpt and ckpt.step, "restarts": status.restarts, "disruptions": status.disruptions,
         "in_place_restarts": status.in_place_restarts, "attempt": status.attempt,
+        "pod_replacements": status.pod_replacements, "current_nodes": status.current_nodes,
+        "desired_nodes": status.desired_nodes,
     }  # fmt: skip
     when = parse_iso(ckpt.time) if ckpt is not None and ckpt.time else None
     return Row(namespace, job, status.phase, values, when.timestamp() if when else None)

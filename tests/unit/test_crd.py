@@ -35,7 +35,9 @@ def test_crd_schema_is_structural_and_documented():
     assert version["subresources"] == {"status": {}}
     assert crd["spec"]["names"]["shortNames"] == ["stj"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Ready", "Nodes", "Desired", "Strategy", "Step", "Loss", "Restarts", "Checkpoint", "Age"]
+    assert columns == [
+        "Phase", "Ready", "Nodes", "Desired", "Strategy", "Step", "Loss", "Restarts", "Checkpoint", "Age"
+    ]  # fmt: skip
 
 
 def test_cel_rules_are_present_for_cross_field_constraints():

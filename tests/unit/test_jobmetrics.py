@@ -15,7 +15,8 @@ T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 
 def status(phase="Running", step=40, ckpt_time="2027-01-15T07:59:00Z", **extra) -> ShardedTrainingJobStatus:
     return ShardedTrainingJobStatus.model_validate({
-        "phase": phase, "attempt": 2, "restarts": 1, "disruptions": 3, "inPlaceRestarts": 4,
+        "phase": phase, "attempt": 2, "restarts": 1, "disruptions": 3, "inPlaceRestarts": 4, "podReplacements": 5,
+        "currentNodes": 3, "desiredNodes": 4,
         "progress": {"step": step, "totalSteps": 100, "loss": 2.5, "tokensPerSecond": 1e5, "mfu": 0.41},
         "lastCheckpoint": {"step": 40, "path": "step-40", "time": ckpt_time}, **extra,
     })  # fmt: skip
@@ -48,6 +49,8 @@ def test_a_jobs_status_becomes_its_series():
     assert got[("sharded_training_checkpoint_age_seconds", job)] == 60  # committed a minute before the scrape
     assert (got[("sharded_training_restarts", job)], got[("sharded_training_disruptions", job)]) == (1, 3)
     assert got[("sharded_training_in_place_restarts", job)] == 4
+    assert got[("sharded_training_pod_replacements", job)] == 5
+    assert (got[("sharded_training_current_nodes", job)], got[("sharded_training_desired_nodes", job)]) == (3, 4)
     phases = {dict(k[1])["phase"]: v for k, v in got.items() if k[0] == "sharded_training_phase"}
     assert phases["Running"] == 1 and sum(phases.values()) == 1 and len(phases) == 7
     assert {name for name, _ in got} <= {*METRIC_NAMES, *(n for n, _ in scrape(Metrics()))}

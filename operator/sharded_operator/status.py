@@ -184,12 +184,11 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     if _elastic_finished(job, current):
         return _succeed(job, plan, current, ts)
     failures = current_failures(job, status, obs, now)
-    failure = first_failure(job, failures)
-    if failure is None or not is_permanent(job, failure):
-        # A lost store needs a new gang whatever else failed (a permanent exit code still ends the job).
-        failure = store_lost(job, status, obs, now) or failure or hang(job, status, now)
-        failure = failure or recovery_overdue(job, status, now)
-    if failure and replaceable(job, status, failures, failure):
+    # A lost store needs a new gang whatever else failed: no pod is replaced alone then (the pods' own
+    # failure, a lost node say, is still the one named).
+    lost_store = store_lost(job, status, obs, now)
+    failure = first_failure(job, failures) or lost_store or hang(job, status, now) or recovery_overdue(job, status, now)
+    if failure and not lost_store and replaceable(job, status, failures, failure):
         _replace_alone(job, plan, obs, failures, failure, now)
     elif failure:
         return _restart_or_fail(job, plan, obs, failure, grace["restart"], now)

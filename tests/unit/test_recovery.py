@@ -263,3 +263,14 @@ def test_an_elastic_job_succeeds_once_min_nodes_finished():
     assert plan.status.phase == "Succeeded" and plan.delete == ["j-2"]  # it never joined: deleted, not judged
     one = decide(elastic(), seen([*gang(1, phase="Succeeded"), *gang(3)[1:]]), NOW, GRACE)
     assert one.status.phase != "Succeeded"  # fewer than minNodes done: not yet
+
+
+def test_a_node_lost_with_a_pod_and_the_store_on_it_restarts_the_gang_naming_the_node():
+    """The pod alone cannot be replaced: every agent needs a new store. The failure named is the pod's."""
+    pods = gang()
+    observed = seen(pods, store=PodView(**{**vars(STORE), "node": "node-2"}))
+    del observed.nodes["node-2"]
+    plan = decide(job(), observed, NOW, GRACE)
+    assert plan.status.attempt == 2 and plan.status.pod_replacements == 0 and plan.status.disruptions == 1
+    assert plan.status.last_failure.reason == "NodeLost" and plan.status.last_failure.pod == "j-2"
+    assert plan.delete_store and plan.store_grace == 0

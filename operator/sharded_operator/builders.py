@@ -123,9 +123,13 @@ def store_pod_name(job: ShardedTrainingJob) -> str:
     return f"{_name(job)}-rdzv"
 
 
+def pod_host(job: ShardedTrainingJob, pod: str) -> str:
+    """A pod's stable DNS name through the job's headless Service (its hostname + subdomain)."""
+    return f"{pod}.{_name(job)}.{_ns(job)}.svc"
+
+
 def rendezvous_host(job: ShardedTrainingJob) -> str:
-    """The store pod's stable DNS name through the headless Service (hostname + subdomain)."""
-    return f"{store_pod_name(job)}.{_name(job)}.{_ns(job)}.svc"
+    return pod_host(job, store_pod_name(job))
 
 
 def rendezvous_conf(job: ShardedTrainingJob) -> str:
@@ -254,7 +258,7 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
         PodEnv.RDZV_ID: f"{job.metadata.get('uid', _name(job))}-{attempt}",
         PodEnv.RDZV_CONF: rendezvous_conf(job),
         PodEnv.MAX_RESTARTS: str(s.elastic.max_restarts if s.elastic else s.failure_policy.in_place_restarts),
-        PodEnv.MASTER_ADDR: f"{pod_name(job, 0)}.{_name(job)}.{_ns(job)}.svc",
+        PodEnv.MASTER_ADDR: pod_host(job, pod_name(job, 0)),
         PodEnv.MASTER_PORT: str(port),
         PodEnv.JOB_NAME: _name(job),
         PodEnv.JOB_NAMESPACE: _ns(job),
@@ -308,6 +312,20 @@ def _resources(job: ShardedTrainingJob) -> dict[str, Any]:
     return {"requests": amounts, "limits": limits} if limits else {}
 
 
+def _placement(job: ShardedTrainingJob) -> dict[str, Any]:
+    """What every pod of the job shares, the store pod too: where it may run, its priority, its identity
+    and pull secrets (only the fields set)."""
+    s, sched = job.spec, job.spec.scheduling
+    fields = {
+        "nodeSelector": sched.node_selector or None,
+        "tolerations": sched.tolerations or None,
+        "priorityClassName": sched.priority_class_name,
+        "serviceAccountName": s.pod.service_account_name,
+        "imagePullSecrets": [{"name": n} for n in s.pod.image_pull_secrets],
+    }
+    return {k: v for k, v in fields.items() if v}
+
+
 # Importing torch for its TCPStore takes about 0.5 GiB; the store itself holds a few keys per node.
 STORE_RESOURCES = {"cpu": "250m", "memory": "1Gi"}
 
@@ -329,7 +347,6 @@ def build_store_pod(job: ShardedTrainingJob, settings: OperatorSettings) -> dict
     }
     if s.pod.image_pull_policy:
         container["imagePullPolicy"] = s.pod.image_pull_policy
-    sched = s.scheduling
     spec: dict[str, Any] = {
         "hostname": store_pod_name(job),
         "subdomain": _name(job),
@@ -340,14 +357,7 @@ def build_store_pod(job: ShardedTrainingJob, settings: OperatorSettings) -> dict
         "containers": [container],
         "securityContext": pod_security(settings.pod_uid),
     }
-    optional = {
-        "nodeSelector": sched.node_selector or None,
-        "tolerations": sched.tolerations or None,
-        "priorityClassName": sched.priority_class_name,
-        "serviceAccountName": s.pod.service_account_name,
-        "imagePullSecrets": [{"name": n} for n in s.pod.image_pull_secrets],
-    }
-    spec.update({k: v for k, v in optional.items() if v})
+    spec.update(_placement(job))
     labels = {**s.pod.labels, **job_labels(job), LABEL_ROLE: ROLE_RENDEZVOUS}
     return {
         "apiVersion": "v1",
@@ -448,16 +458,12 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
         spec["hostNetwork"] = True
         spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     optional = {
-        "nodeSelector": sched.node_selector or None,
-        "tolerations": sched.tolerations or None,
         "affinity": sched.affinity,
-        "priorityClassName": sched.priority_class_name,
         "schedulerName": scheduler_name,
-        "serviceAccountName": s.pod.service_account_name,
         "runtimeClassName": s.pod.runtime_class_name,
-        "imagePullSecrets": [{"name": n} for n in s.pod.image_pull_secrets],
         "initContainers": init,
     }
+    spec.update(_placement(job))
     spec.update({k: v for k, v in optional.items() if v})
     return {
         "apiVersion": "v1",

@@ -274,3 +274,14 @@ def test_a_node_lost_with_a_pod_and_the_store_on_it_restarts_the_gang_naming_the
     assert plan.status.attempt == 2 and plan.status.pod_replacements == 0 and plan.status.disruptions == 1
     assert plan.status.last_failure.reason == "NodeLost" and plan.status.last_failure.pod == "j-2"
     assert plan.delete_store and plan.store_grace == 0
+
+
+@pytest.mark.parametrize(
+    "path,value",
+    [("rendezvous.lastCallSeconds", 0), ("rendezvous.lastCallSeconds", 601), ("rendezvous.lastCallSeconds", "x"),
+     ("failurePolicy.inPlaceTimeoutSeconds", 9), ("failurePolicy.inPlaceTimeoutSeconds", 86401),
+     ("failurePolicy.inPlaceRestarts", -1), ("failurePolicy.inPlaceRestarts", 101)],
+)  # fmt: skip
+def test_the_recovery_settings_are_bounded(path, value):
+    with pytest.raises(ValueError, match=path.rsplit(".", 1)[1].replace("Seconds", "")):
+        make_job().spec(path, value).model()

@@ -249,7 +249,7 @@ class NodeAgent:
             if uid not in seen and run.node not in self.down:
                 self._kill(run, grace=0)
                 self._cleanup(run)
-                del self.runs[uid]
+                self.runs.pop(uid, None)
 
     # --- faults, for tests and benchmarks -------------------------------------------------------
     def lose_node(self, name: str, freeze: bool = False) -> list[PodRun]:
@@ -265,7 +265,7 @@ class NodeAgent:
                            "lastTransitionTime": t}]  # fmt: skip
             self.api.patch_node_status(name, {"status": {"conditions": conditions}})
             self._set_taint(name, present=True)
-        runs = [r for r in self.runs.values() if r.node == name]
+        runs = [r for r in list(self.runs.values()) if r.node == name]
         for run in runs if freeze else []:
             self._signal_all(run, signal.SIGSTOP)
             run.frozen = True
@@ -298,14 +298,18 @@ class NodeAgent:
 
     def trainer_workers(self, run: PodRun) -> list[int]:
         """PIDs of the pod's torchrun workers (process mode): in its network namespace, neither the launcher
-        nor torchrun itself."""
+        nor torchrun itself; the trainer's workers are forked by the agent's fork server (its children)."""
         workers = []
         for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
+                parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                parent_argv = Path(f"/proc/{parent}/cmdline").read_bytes()
+            except (OSError, IndexError):
                 continue
-            if b"sharded_trainer" in argv and not {b"sharded_trainer.launch", b"torch.distributed.run"} & set(argv):
+            launchers = {b"sharded_trainer.launch", b"torch.distributed.run", b"sharded_trainer.agent"}
+            spawned = b"sharded_trainer" in argv and not launchers & set(argv)
+            if spawned or b"multiprocessing.forkserver" in parent_argv:
                 workers.append(int(pid))
         return workers
 
@@ -395,7 +399,8 @@ class NodeAgent:
                 names = [f"{fq}.cluster.local", fq, host]
             lines.append(f"{run.ip} {' '.join(names)}")
         text = "\n".join(lines) + "\n"
-        for run in self.runs.values():
+        # A snapshot: pods ending on other threads (_terminate) remove their runs meanwhile.
+        for run in list(self.runs.values()):
             hosts = Path("/etc/netns") / run.netns / "hosts"
             if run.namespace == namespace and hosts.exists():
                 # Rewrite in place: `ip netns exec` bind-mounted this very inode over /etc/hosts.
@@ -552,12 +557,16 @@ class NodeAgent:
         self._refresh_hosts(run.namespace)
 
     def _terminate(self, run: PodRun, pod, grace: int | None) -> None:
-        self._kill(run, grace=30 if grace is None else grace)
-        if run.proc and not run.reported_exit:
-            self._report_exit(run, pod)
-        self._cleanup(run)
-        self._delete_pod_object(pod)
-        self.runs.pop(run.uid, None)
+        # On a thread of its own: whatever fails on the way (an API hiccup), the run must not outlive it, or
+        # the pod object would stay terminating forever with nothing left to finish it.
+        try:
+            self._kill(run, grace=30 if grace is None else grace)
+            if run.proc and not run.reported_exit:
+                self._report_exit(run, pod)
+        finally:
+            self._cleanup(run)
+            self.runs.pop(run.uid, None)
+            self._delete_pod_object(pod)
 
     def _kill(self, run: PodRun, grace: float) -> None:
         """SIGTERM the container's main process only, as the kubelet does; wait up to `grace` seconds,

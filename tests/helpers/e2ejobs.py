@@ -73,7 +73,7 @@ class Jobs:
     def runs(self, name: str, store: bool = False):
         """The node agent's runs of the job's training pods (and, with `store`, of its rendezvous store pod)."""
         return [
-            r for r in self.stack.agent.runs.values()
+            r for r in list(self.stack.agent.runs.values())
             if r.name.startswith(f"{name}-") and (store or r.name != f"{name}-rdzv")
         ]  # fmt: skip
 

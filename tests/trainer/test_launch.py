@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ from helpers.torchrun_jobs import ROOT, write_config
 from localcluster import free_port
 from sharded_trainer.checkpoint import committed_steps
 from sharded_trainer.contract import ExitCode, PodEnv
-from sharded_trainer.launch import children
+from sharded_trainer.launch import children, workers
 
 pytestmark = pytest.mark.trainer
 
@@ -110,9 +111,9 @@ def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_new
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.05)
     [torchrun] = children(proc.pid)
-    workers = children(torchrun)
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)  # no checkpoint, no goodbye
+    running = workers(torchrun)  # forked by the agent's preloading server
+    assert len(running) == 2
+    os.kill(running[1], signal.SIGKILL)  # no checkpoint, no goodbye
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert out.count('"event": "started"') == 2  # the first run and the one restart
@@ -190,3 +191,32 @@ def test_a_garbled_fingerprint_on_the_claim_is_refused_not_crashed_on(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == ExitCode.INCOMPATIBLE_CHECKPOINT, again.stdout[-2000:] + again.stderr[-2000:]
     assert "fingerprint: unreadable (list)" in again.stdout and "Traceback" not in again.stderr
+
+
+def test_workers_stopped_by_torchrun_with_a_frozen_peer_exit_without_waiting_for_torchruns_kill(
+    tmp_path, store_port
+):
+    """A SIGTERM that is not the launcher's comes from torchrun restarting the workers. With a peer frozen (a
+    partitioned node) the stop can never be agreed; the worker leaves after STOP_AGREE_SECONDS without a
+    checkpoint instead of waiting for torchrun's SIGKILL 30 s on, and the restarted workers resume and finish."""
+    config = write_config(tmp_path, steps=40, **{"checkpoint.interval": 10})
+    proc = launch(config, {**one_node(store_port), PodEnv.MAX_RESTARTS: "1"})
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not committed_steps(tmp_path / "ckpt"):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    [torchrun] = children(proc.pid)
+    first, frozen = workers(torchrun)
+    os.kill(frozen, signal.SIGSTOP)  # cut off: its sockets stay open, it answers nothing
+    os.kill(first, signal.SIGTERM)  # as torchrun stops its workers for a new round
+    while Path(f"/proc/{first}").exists() and first in workers(torchrun):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(frozen, signal.SIGCONT)  # torchrun's own stop of it follows, as its SIGKILL would
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "did not agree on a final checkpoint within 10s" in out, out[-3000:]
+    assert '"event": "preempted"' not in out  # no final checkpoint was attempted past the frozen peer
+    resumed = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if '"event": "resumed"' in line]
+    assert len(resumed) == 1 and resumed[0]["step"] % 10 == 0
+    assert committed_steps(tmp_path / "ckpt")[-1] == 40

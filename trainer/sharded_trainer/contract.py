@@ -48,6 +48,11 @@ class PodEnv(StrEnum):
     EXIT_DIR = "SHARDED_EXIT_DIR"
 
 
+# The launcher's mark in the exit directory that a SIGTERM its workers get is its own (the pod is stopping),
+# not torchrun's restart of the workers.
+STOPPING = "stopping"
+
+
 class WorkerEnv(StrEnum):
     """Variables torchrun sets for each worker process it starts."""
 

@@ -29,8 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from sharded_trainer.agent import helper, torchrun_args
 from sharded_trainer.config import ConfigError, load_config
-from sharded_trainer.contract import ExitCode, PodEnv, WorkerEnv
+from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, WorkerEnv
 
 
 def log(msg: str) -> None:
@@ -84,12 +85,25 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def workers(agent: int) -> list[int]:
+    """torchrun's workers: its children, or, where they are forked by its fork server, the server's."""
+    out = []
+    for pid in children(agent):
+        kind = helper(pid)
+        if kind is None:
+            out.append(pid)
+        elif kind == "forkserver":
+            out.extend(children(pid))
+    return out
+
+
 class Stop:
     """SIGTERM or SIGINT: ends the wait for the rendezvous, or goes to the workers and then to torchrun."""
 
     def __init__(self) -> None:
         self.requested = threading.Event()
         self.torchrun: subprocess.Popen | None = None
+        self.marker: Path | None = None  # tells the workers a stop is the pod's, not torchrun's restart
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -111,12 +125,14 @@ class Stop:
 
     def _stop_workers(self, signum: int) -> None:
         assert self.torchrun is not None
-        workers = children(self.torchrun.pid)
-        log(f"stopping: signal {signum} to {len(workers)} workers; torchrun once they have exited")
-        for pid in workers:
+        if self.marker is not None:
+            self.marker.touch()
+        running = workers(self.torchrun.pid)
+        log(f"stopping: signal {signum} to {len(running)} workers; torchrun once they have exited")
+        for pid in running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-        while any(Path(f"/proc/{pid}").exists() and pid in children(self.torchrun.pid) for pid in workers):
+        while any(Path(f"/proc/{pid}").exists() and pid in workers(self.torchrun.pid) for pid in running):
             time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):
             self.torchrun.send_signal(signum)
@@ -203,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         # by default is made once and handed, unprefixed, to every in-place restart, whose workers then
         # read the addresses the dead ones published and never connect (torch 2.11, under gloo).
         env = {SHARE_STORE: "1", **os.environ, PodEnv.EXIT_DIR: exit_dir}
-        rc = stop.run([sys.executable, "-m", "torch.distributed.run", *target], env)
+        stop.marker = Path(exit_dir, STOPPING)
+        rc = stop.run([sys.executable, "-m", "sharded_trainer.agent", *torchrun_args(target)], env)
         code = exit_code(rc, Path(exit_dir))
     log(f"torchrun exited {rc}; exiting {code}")
     return code

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import torch.distributed as dist
 
 from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible
 from sharded_trainer.config import TrainerConfig, accumulation_for, describe_batch
-from sharded_trainer.contract import ExitCode, TrainerEventType
+from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
 from sharded_trainer.data import ShardedLoader, TokenSource
 from sharded_trainer.metrics import Meter, emit
 from sharded_trainer.model import build_model
@@ -22,14 +24,49 @@ from sharded_trainer.reporting import ProgressReporter, ReportTarget
 from sharded_trainer.strategies import build_strategy
 from sharded_trainer.tensorboard import EventWriter
 
+# How long ranks stopped by torchrun (not by the launcher) may take to agree on a final checkpoint: a
+# tiny all-reduce after the step in progress, which only a peer that does not answer holds up.
+STOP_AGREE_SECONDS = 10.0
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT; the loop turns it into one agreed step at which every rank stops."""
+    """Set by SIGTERM/SIGINT; the loop turns it into one agreed step at which every rank stops.
 
-    def __init__(self) -> None:
+    A stop the launcher sends (the pod is being stopped) has the pod's whole grace for the final checkpoint.
+    Under the launcher, any other SIGTERM is torchrun's: it restarts the workers (a peer failed, or the
+    membership changed) and kills them 30 s later whatever they do. When a peer is frozen or cut off, every
+    collective waits for it and the stop can never be agreed: the worker then exits after `agree_seconds`
+    without a checkpoint (the newest one is resumed), so the next rendezvous round starts then, not at
+    torchrun's kill."""
+
+    def __init__(self, agree_seconds: float = STOP_AGREE_SECONDS) -> None:
         self.requested = threading.Event()
+        self.agreed = threading.Event()  # every rank voted for the stop: the final checkpoint goes ahead
+        self.agree_seconds = agree_seconds
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.requested.set())
+        if os.environ.get(PodEnv.EXIT_DIR):
+            # A Python handler runs only when the main thread returns to Python, never while it waits in a
+            # collective: the signal's arrival is read from the interpreter's wakeup fd on a thread instead.
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(r,), name="stop-watch", daemon=True).start()
+
+    def _watch(self, fd: int) -> None:
+        while not {signal.SIGTERM, signal.SIGINT} & set(os.read(fd, 64)):
+            pass
+        self.requested.set()
+        if not Path(os.environ[PodEnv.EXIT_DIR], STOPPING).exists():
+            self._deadline()
+
+    def _deadline(self) -> None:
+        if not self.agreed.wait(self.agree_seconds):
+            print(
+                f"[trainer] torchrun stopped the workers and the ranks did not agree on a final checkpoint within "
+                f"{self.agree_seconds:.0f}s (a peer is unreachable): exiting without one",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            os._exit(1)  # threads blocked in a collective would hold a normal exit
 
 
 def fingerprint(cfg: TrainerConfig, model) -> dict:
@@ -125,6 +162,8 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
                     board.scalars(step, {k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")})
                 report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])
             preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
+            if preempted:
+                stop.agreed.set()
             state = {"data": loader.state_dict(), "loss": last_loss}
             ckpt.save(step, strategy, state, force=preempted)
         ckpt.wait()

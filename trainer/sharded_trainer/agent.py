@@ -1,0 +1,87 @@
+"""torchrun's agent with the trainer's imports paid once per pod, not once per worker start.
+
+    python -m sharded_trainer.agent [torchrun's arguments] --run-path WORKER --config FILE
+
+Importing torch and the trainer takes a worker about 5 s of CPU, and on a small node every worker of every
+start pays it at once (4 workers on 2 cores: 8-10 s before a process group). torchrun can run its workers
+as a function (`--run-path`) started through a multiprocessing start method; with `forkserver`, one server
+process imports everything once, the first time workers start, and every later start, an in-place
+restart above all, forks workers that have it already. The server process imports only: it never touches
+CUDA (a CUDA context does not survive a fork) and never imports DeepSpeed (whose accelerator probe
+may), so the workers begin exactly as spawned ones do, with the imports done.
+
+Everything else is torchrun's own (`torch.distributed.run.main`): the PET_* settings, the rendezvous,
+restarts, the exit codes. A worker's exit code is its own (SystemExit carries it out of the forked
+process), as with spawned workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from multiprocessing import forkserver
+from pathlib import Path
+
+from sharded_trainer.contract import PodEnv
+
+# What a worker imports on the way to its first step (measured on an FSDP run: torch._dynamo and the DCP
+# state-dict helpers are imported lazily by FSDP2 and the checkpoint load, another 2 s).
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch._dynamo",
+    "sharded_trainer.train",
+    "sharded_trainer.fsdp",
+    "sharded_trainer.zero2",
+    "sharded_trainer.strategies",
+]
+
+# The script torchrun runs in each worker (`--run-path`): the trainer's own entry point.
+WORKER = str(Path(__file__).with_name("__main__.py"))
+START_METHOD = "forkserver"
+
+
+def torchrun_args(target: list[str]) -> list[str]:
+    """torchrun's arguments for `target` (`-m sharded_trainer ...` or a user's command): the trainer's own
+    entry point runs through the preloading server; anything else is spawned as torchrun always does."""
+    if target[:2] == ["-m", "sharded_trainer"]:
+        return ["--run-path", f"--start-method={START_METHOD}", WORKER, *target[2:]]
+    return target
+
+
+def helper(pid: int) -> str | None:
+    """Which of multiprocessing's own processes `pid` is (the agent's fork server or resource tracker, which
+    are not workers), or None."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return next((name for name in ("forkserver", "resource_tracker") if b"multiprocessing." + name.encode() in argv),
+                None)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    # The server's (and so the forked workers') output reaches the pod's log line by line, as `python -u`
+    # gives spawned workers.
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    if f"--start-method={START_METHOD}" in args:
+        # OpenMP reads its thread count once, when torch loads: in the server, so before it starts. torchrun
+        # sets 1 thread per worker where a node runs several, but only later, for the workers it spawns.
+        procs = os.environ.get(PodEnv.NPROC_PER_NODE, "")
+        if procs.isdigit() and int(procs) > 1:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        # Started now, its imports overlap the agent's own and the rendezvous instead of following them.
+        forkserver.ensure_running()
+    from torch.distributed.run import main as torchrun
+
+    torchrun(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ import pytest
 
 from helpers.torchrun_jobs import ROOT, write_config
 from localcluster import free_port
+from sharded_trainer.agent import helper
 from sharded_trainer.checkpoint import committed_steps
 from sharded_trainer.contract import ExitCode, PodEnv
 from sharded_trainer.launch import children, workers
@@ -111,9 +112,17 @@ def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_new
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.05)
     [torchrun] = children(proc.pid)
-    running = workers(torchrun)  # forked by the agent's preloading server
-    assert len(running) == 2
+    # The workers are forked by the agent's fork server, which imported torch before any worker started.
+    [server] = [pid for pid in children(torchrun) if helper(pid) == "forkserver"]
+    assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()
+    running = workers(torchrun)
+    assert len(running) == 2 and set(running) <= set(children(server))
     os.kill(running[1], signal.SIGKILL)  # no checkpoint, no goodbye
+    # The restarted workers come from the same server: the restart forks, it does not import again.
+    while proc.poll() is None and (len(workers(torchrun)) < 2 or set(workers(torchrun)) & set(running)):
+        time.sleep(0.05)
+    if proc.poll() is None:
+        assert set(workers(torchrun)) <= set(children(server))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert out.count('"event": "started"') == 2  # the first run and the one restart

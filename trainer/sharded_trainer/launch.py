@@ -97,6 +97,34 @@ def workers(agent: int) -> list[int]:
     return out
 
 
+def adopt_orphans() -> bool:
+    """Make this process the reaper of its descendants' orphans (Linux's child subreaper), as a container's
+    PID 1 must be: the fork server that parents the workers may exit before it has reaped the last of them,
+    and their zombies then come here instead of to the host's init."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def reap(timeout: float) -> None:
+    """Wait up to `timeout` for this process's children to exit, reaping each: the workers' orphans, once
+    torchrun and its fork server are gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for pid in children(os.getpid()):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    left.append(pid)
+        if not left or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
 class Stop:
     """SIGTERM or SIGINT: ends the wait for the rendezvous, or goes to the workers and then to torchrun."""
 
@@ -192,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
     stop = Stop()
+    adopt_orphans()
     try:
         load_config(args.config)
     except ConfigError as e:
@@ -222,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         stop.marker = Path(exit_dir, STOPPING)
         rc = stop.run([sys.executable, "-m", "sharded_trainer.agent", *torchrun_args(target)], env)
         code = exit_code(rc, Path(exit_dir))
+    # The fork server leaves with torchrun, and may leave workers it had no time to reap: they are ours now.
+    reap(timeout=5)
     log(f"torchrun exited {rc}; exiting {code}")
     return code
 

@@ -193,7 +193,12 @@ def trainer_config(job: ShardedTrainingJob) -> TrainerConfig:
     if s.checkpoint:
         policy = s.checkpoint.model_dump(include={"interval", "keep_last", "async_save", "resume"})
         checkpoint = CheckpointConfig(dir=s.checkpoint.mount_path, **policy)
-    return TrainerConfig(**s.trainer.model_dump(), strategy=s.strategy, checkpoint=checkpoint, backend=backend(job))
+    # An elastic job keeps its full size's batch; the processes per node are known to the trainer only.
+    batch_nodes = s.elastic.max_nodes if s.elastic and s.elastic.keep_global_batch else None
+    return TrainerConfig(
+        **s.trainer.model_dump(), strategy=s.strategy, checkpoint=checkpoint, backend=backend(job),
+        batch_nodes=batch_nodes,
+    )  # fmt: skip
 
 
 def build_config_map(job: ShardedTrainingJob, settings: OperatorSettings) -> dict[str, Any]:

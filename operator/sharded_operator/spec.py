@@ -147,6 +147,12 @@ class Elastic(ApiModel):
     min_nodes: int = Field(..., ge=1, le=1024, description="Fewest nodes training may continue with.")
     max_nodes: int = Field(..., ge=1, le=1024, description="Most nodes the job may use.")
     max_restarts: int = Field(3, ge=0, le=100, description="torchrun's in-place restarts before the pod fails.")
+    keep_global_batch: bool = Field(
+        True,
+        description="Keep the batch of maxNodes nodes at every size (gradient accumulation makes up for the "
+        "missing nodes, the nearest batch when it does not divide), so the loss curve goes on across resizes. "
+        "trainer.globalBatchSize, when set, is kept instead. false: each node adds its own batch.",
+    )
 
 
 class VolumeClaim(ApiModel):

@@ -146,7 +146,8 @@ def test_an_elastic_job_trains_on_two_of_three_nodes_grows_back_and_is_resized_b
     `spec.nodes: 2` then takes the highest node away (with a final checkpoint) and the job finishes on two.
     The global batch stays 48 throughout (accumulation 2 on three nodes, 3 on two); one attempt, no restart."""
     name = "e2e-elastic"
-    trainer = {"model": {"preset": "tiny"}, "steps": 300, "microBatchSize": 4, "globalBatchSize": 48,
+    # No globalBatchSize: elastic.keepGlobalBatch (the default) keeps the batch of maxNodes, 3 x 2 x 4 x 2.
+    trainer = {"model": {"preset": "tiny"}, "steps": 300, "microBatchSize": 4, "gradAccumSteps": 2,
                "seqLen": 64, "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 2}  # fmt: skip
     body = job(name, steps=0, nodes=3, elastic={"minNodes": 2, "maxNodes": 3, "maxRestarts": 5},
                resources={"cpu": 6, "memory": "2Gi"}, trainer=trainer)  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sharded_trainer.config import TrainingSpec, accumulation_for, describe_batch
+from sharded_trainer.config import TrainerConfig, TrainingSpec, accumulation_for, describe_batch, with_kept_batch
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,18 @@ def test_the_setting_says_when_the_batch_is_not_the_one_asked_for():
     assert describe_batch(spec, 3) == (
         "global batch 12 (4 x 1 accumulated x 3 processes), the nearest to globalBatchSize 16 that 3 processes allow"
     )
+
+
+def test_an_elastic_job_keeps_the_batch_of_its_full_size_at_every_world():
+    """batch_nodes (the operator's elastic.keepGlobalBatch): 4 nodes x 2 processes x 4 sequences x 2
+    accumulated = 64, kept on 3 nodes by the nearest accumulation and on 2 exactly; an explicit global
+    batch wins, and without batch_nodes each process adds its own batch."""
+    cfg = TrainerConfig(micro_batch_size=4, grad_accum_steps=2, batch_nodes=4)
+    kept = with_kept_batch(cfg, procs_per_node=2)
+    assert kept.global_batch_size == 64
+    assert accumulation_for(kept, 4 * 2) == (2, 64)
+    assert accumulation_for(kept, 2 * 2) == (4, 64)
+    assert accumulation_for(kept, 3 * 2) == (3, 72)  # 72 is nearer 64 than 48
+    explicit = TrainerConfig(micro_batch_size=4, global_batch_size=16, batch_nodes=4)
+    assert with_kept_batch(explicit, procs_per_node=2).global_batch_size == 16
+    assert with_kept_batch(TrainerConfig(micro_batch_size=4), procs_per_node=2).global_batch_size is None

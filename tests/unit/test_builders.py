@@ -146,6 +146,16 @@ def test_elastic_job_passes_a_node_range_and_restarts_to_torchrun():
     assert env["PET_NNODES"] == "2:4" and env["PET_MAX_RESTARTS"] == "5"
 
 
+def test_an_elastic_job_keeps_the_batch_of_its_full_size_unless_told_otherwise():
+    """elastic.keepGlobalBatch (default): the trainer is told to keep maxNodes' batch; an explicit
+    trainer.globalBatchSize, or keepGlobalBatch false, leaves it alone; a fixed-size job keeps nothing."""
+    elastic = {"minNodes": 2, "maxNodes": 4}
+    assert builders.trainer_config(make_job().nodes(3).spec("elastic", elastic).model()).batch_nodes == 4
+    off = make_job().nodes(3).spec("elastic", {**elastic, "keepGlobalBatch": False}).model()
+    assert builders.trainer_config(off).batch_nodes is None
+    assert builders.trainer_config(make_job().nodes(3).model()).batch_nodes is None
+
+
 def test_in_place_restarts_reach_torchrun_and_elastic_keeps_its_own():
     job = make_job().nodes(2).spec("failurePolicy", {"inPlaceRestarts": 3}).model()
     assert env_of(builders.build_pod(job, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "3"

@@ -193,6 +193,11 @@ class TrainerConfig(TrainingSpec):
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="Process-group backend; auto is nccl with GPUs, gloo without."
     )
+    batch_nodes: int | None = Field(
+        None, ge=1, le=1024,
+        description="Set by the operator for an elastic job (elastic.keepGlobalBatch): without globalBatchSize, "
+        "the global batch is that of this many nodes at the configured micro-batch and accumulation.",
+    )  # fmt: skip
     progress_file: str | None = Field(
         None,
         description="Rank 0 rewrites this JSON file with its latest progress, for local runs and tools; in a pod, "
@@ -204,6 +209,15 @@ class TrainerConfig(TrainingSpec):
         if self.tensorboard and not self.checkpoint.dir:
             raise ValueError("tensorboard needs checkpoint.dir: the event files are written next to the checkpoints")
         return self
+
+
+def with_kept_batch(cfg: TrainerConfig, procs_per_node: int) -> TrainerConfig:
+    """The config with the global batch an elastic job keeps (that of `batch_nodes` nodes of
+    `procs_per_node` processes) made explicit; unchanged where globalBatchSize is set or nothing is kept."""
+    if cfg.global_batch_size is not None or cfg.batch_nodes is None:
+        return cfg
+    kept = cfg.micro_batch_size * cfg.grad_accum_steps * procs_per_node * cfg.batch_nodes
+    return cfg.model_copy(update={"global_batch_size": kept})
 
 
 def accumulation_for(cfg: TrainingSpec, world: int) -> tuple[int, int]:

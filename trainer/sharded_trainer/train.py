@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible
-from sharded_trainer.config import TrainerConfig, accumulation_for, describe_batch
+from sharded_trainer.config import TrainerConfig, accumulation_for, describe_batch, with_kept_batch
 from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
 from sharded_trainer.data import ShardedLoader, TokenSource
 from sharded_trainer.metrics import Meter, emit
@@ -82,6 +82,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     if env.is_main:  # the process group is up: the rendezvous is over
         emit({"event": "started", "world": env.world})
     # The world that rendezvoused decides the accumulation when the batch is global (an elastic job).
+    cfg = with_kept_batch(cfg, env.local_world)
     accum, global_batch = accumulation_for(cfg, env.world)
     cfg = cfg.model_copy(update={"grad_accum_steps": accum})
     model = build_model(cfg)

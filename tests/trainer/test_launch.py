@@ -224,7 +224,7 @@ def test_workers_stopped_by_torchrun_with_a_frozen_peer_exit_without_waiting_for
     os.kill(frozen, signal.SIGCONT)  # torchrun's own stop of it follows, as its SIGKILL would
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
-    assert "did not agree on a final checkpoint within 10s" in out, out[-3000:]
+    assert "did not agree on a final checkpoint within 2s" in out, out[-3000:]  # tiny steps: the least wait
     assert '"event": "preempted"' not in out  # no final checkpoint was attempted past the frozen peer
     resumed = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if '"event": "resumed"' in line]
     assert len(resumed) == 1 and resumed[0]["step"] % 10 == 0

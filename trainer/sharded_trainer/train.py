@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -24,9 +25,11 @@ from sharded_trainer.reporting import ProgressReporter, ReportTarget
 from sharded_trainer.strategies import build_strategy
 from sharded_trainer.tensorboard import EventWriter
 
-# How long ranks stopped by torchrun (not by the launcher) may take to agree on a final checkpoint: a
-# tiny all-reduce after the step in progress, which only a peer that does not answer holds up.
-STOP_AGREE_SECONDS = 10.0
+# How long ranks stopped by torchrun (not by the launcher) may take to agree on a final checkpoint: the
+# vote is a tiny all-reduce after the iteration in progress, which only a peer that does not answer holds up
+# for longer. Twice the slowest iteration so far (a save included) and a second, within these bounds: the
+# upper one before any iteration is timed, and below torchrun's own 30 s kill.
+STOP_AGREE_SECONDS = (2.0, 25.0)
 
 class StopRequest:
     """Set by SIGTERM/SIGINT; the loop turns it into one agreed step at which every rank stops.
@@ -34,14 +37,14 @@ class StopRequest:
     A stop the launcher sends (the pod is being stopped) has the pod's whole grace for the final checkpoint.
     Under the launcher, any other SIGTERM is torchrun's: it restarts the workers (a peer failed, or the
     membership changed) and kills them 30 s later whatever they do. When a peer is frozen or cut off, every
-    collective waits for it and the stop can never be agreed: the worker then exits after `agree_seconds`
+    collective waits for it and the stop can never be agreed: the worker then exits after `agree_seconds()`
     without a checkpoint (the newest one is resumed), so the next rendezvous round starts then, not at
     torchrun's kill."""
 
-    def __init__(self, agree_seconds: float = STOP_AGREE_SECONDS) -> None:
+    def __init__(self) -> None:
         self.requested = threading.Event()
         self.agreed = threading.Event()  # every rank voted for the stop: the final checkpoint goes ahead
-        self.agree_seconds = agree_seconds
+        self.slowest: float | None = None  # the slowest iteration (step, vote, save) so far, in seconds
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.requested.set())
         if os.environ.get(PodEnv.EXIT_DIR):
@@ -59,11 +62,19 @@ class StopRequest:
         if not Path(os.environ[PodEnv.EXIT_DIR], STOPPING).exists():
             self._deadline()
 
+    def timed(self, seconds: float) -> None:
+        self.slowest = max(self.slowest or 0.0, seconds)
+
+    def agree_seconds(self) -> float:
+        low, high = STOP_AGREE_SECONDS
+        return high if self.slowest is None else min(high, max(low, 2 * self.slowest + 1))
+
     def _deadline(self) -> None:
-        if not self.agreed.wait(self.agree_seconds):
+        wait = self.agree_seconds()
+        if not self.agreed.wait(wait):
             print(
                 f"[trainer] torchrun stopped the workers and the ranks did not agree on a final checkpoint within "
-                f"{self.agree_seconds:.0f}s (a peer is unreachable): exiting without one",
+                f"{wait:.0f}s (a peer is unreachable): exiting without one",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
             os._exit(1)  # threads blocked in a collective would hold a normal exit
@@ -148,6 +159,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     last_loss, preempted = None, False
     try:
         while step < cfg.steps and not preempted:
+            began = time.monotonic()
             loss, grad_norm = strategy.train_step([loader.next_batch() for _ in range(cfg.grad_accum_steps)])
             step += 1
             meter.add(tokens_per_step)
@@ -167,6 +179,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
                 stop.agreed.set()
             state = {"data": loader.state_dict(), "loss": last_loss}
             ckpt.save(step, strategy, state, force=preempted)
+            stop.timed(time.monotonic() - began)
         ckpt.wait()
     except Fenced as e:  # a newer attempt started on the claim: this one is a zombie and must stop
         if env.is_main:

@@ -45,10 +45,14 @@ WORKER = str(Path(__file__).with_name("__main__.py"))
 START_METHOD = "forkserver"
 
 
-def torchrun_args(target: list[str]) -> list[str]:
+def torchrun_args(target: list[str], start: str | None = None) -> list[str]:
     """torchrun's arguments for `target` (`-m sharded_trainer ...` or a user's command): the trainer's own
-    entry point runs through the preloading server; anything else is spawned as torchrun always does."""
-    if target[:2] == ["-m", "sharded_trainer"]:
+    entry point runs through the preloading server unless `start` (default: the pod's SHARDED_WORKER_START)
+    is `spawn`; anything else is spawned as torchrun always does."""
+    start = start or os.environ.get(PodEnv.WORKER_START) or START_METHOD
+    if start not in (START_METHOD, "spawn"):
+        raise ValueError(f"{PodEnv.WORKER_START} must be {START_METHOD} or spawn, not {start!r}")
+    if target[:2] == ["-m", "sharded_trainer"] and start == START_METHOD:
         return ["--run-path", f"--start-method={START_METHOD}", WORKER, *target[2:]]
     return target
 

@@ -46,6 +46,8 @@ class PodEnv(StrEnum):
     NODE_NAME = "NODE_NAME"
     # set by the launcher for its workers: where each rank leaves its exit code
     EXIT_DIR = "SHARDED_EXIT_DIR"
+    # how torchrun starts the trainer's workers: forkserver (default: forked with the imports done) or spawn
+    WORKER_START = "SHARDED_WORKER_START"
 
 
 # The launcher's mark in the exit directory that a SIGTERM its workers get is its own (the pod is stopping),

@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     adopt_orphans()
     try:
         load_config(args.config)
-    except ConfigError as e:
+        torchrun = torchrun_args(command or ["-m", "sharded_trainer", "--config", args.config])
+    except (ConfigError, ValueError) as e:
         log(f"error: {e}")
         return ExitCode.INVALID_CONFIG
 
@@ -242,14 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.RENDEZVOUS_UNREACHABLE
         log(f"rendezvous endpoint {endpoint} reachable; starting torchrun as node {node_rank}")
 
-    target = command or ["-m", "sharded_trainer", "--config", args.config]
     with tempfile.TemporaryDirectory(prefix="sharded-exit-") as exit_dir:
         # A process-group store per rendezvous round, hosted by rank 0's worker: the store torchrun shares
         # by default is made once and handed, unprefixed, to every in-place restart, whose workers then
         # read the addresses the dead ones published and never connect (torch 2.11, under gloo).
         env = {SHARE_STORE: "1", **os.environ, PodEnv.EXIT_DIR: exit_dir}
         stop.marker = Path(exit_dir, STOPPING)
-        rc = stop.run([sys.executable, "-m", "sharded_trainer.agent", *torchrun_args(target)], env)
+        rc = stop.run([sys.executable, "-m", "sharded_trainer.agent", *torchrun], env)
         code = exit_code(rc, Path(exit_dir))
     # The fork server leaves with torchrun, and may leave workers it had no time to reap: they are ours now.
     reap(timeout=5)

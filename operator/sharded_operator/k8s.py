@@ -164,11 +164,16 @@ class Kube:
             raise
 
     @retrying
-    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None, uid: str | None = None) -> None:
+        """Delete the pod; with `uid`, only that pod: a newer one created under the name since (the next
+        attempt's, say) is left alone (the API server answers 409)."""
+        options = client.V1DeleteOptions(
+            grace_period_seconds=grace_seconds, preconditions=client.V1Preconditions(uid=uid) if uid else None
+        )
         try:
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds)
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds, body=options)
         except ApiException as e:
-            if e.status != 404:
+            if e.status not in (404, 409) or (e.status == 409 and not uid):
                 raise
 
     @retrying

@@ -108,12 +108,15 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
 
         # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods), and force
         #    out pods a lost node will never confirm gone
+        #    Each by the UID observed: a decision from this listing never touches a newer pod of the same name.
+        uids = {p.name: p.uid for p in pods}
         for pod in plan.delete:
-            ctx.kube.delete_pod(namespace, pod, plan.grace_seconds)
+            ctx.kube.delete_pod(namespace, pod, plan.grace_seconds, uid=uids.get(pod))
         for pod in plan.force_delete:
-            ctx.kube.delete_pod(namespace, pod, 0)
+            ctx.kube.delete_pod(namespace, pod, 0, uid=uids.get(pod))
         if plan.delete_store:
-            ctx.kube.delete_pod(namespace, builders.store_pod_name(job), plan.store_grace)
+            store_uid = store.uid if store else None
+            ctx.kube.delete_pod(namespace, builders.store_pod_name(job), plan.store_grace, uid=store_uid)
         # 2. children the pods need, then the pods of the current attempt (built from the decided status:
         #    a host-network job's port is chosen once, before its first child)
         if job.spec.network.host_network and plan.status.host_port is None and plan.status.phase not in FINISHED:

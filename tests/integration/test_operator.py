@@ -399,6 +399,23 @@ def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, c
     assert ops.status().get("restarts", 0) == 0
 
 
+def test_a_delete_decided_for_one_pod_never_removes_a_newer_pod_of_the_same_name(ops, core, custom):
+    """Pod names are reused by every attempt: a delete decided from a listing of the old pod, landing after
+    the next attempt's pod took the name, must leave that pod alone (the API server checks the UID)."""
+    from sharded_operator.k8s import Kube
+
+    ops.create(gpu_job())
+    ops.wait_running_attempt(1, 2)
+    old_uid = core.read_namespaced_pod("j-0", ops.ns).metadata.uid
+    ops.exit("j-1", 1)  # a retryable failure: attempt 2 takes the names j-0 and j-1 again
+    ops.wait_running_attempt(2, 2)
+    new = core.read_namespaced_pod("j-0", ops.ns)
+    assert new.metadata.uid != old_uid
+    Kube(custom.api_client).delete_pod(ops.ns, "j-0", 0, uid=old_uid)  # the stale decision: a no-op
+    assert core.read_namespaced_pod("j-0", ops.ns).metadata.uid == new.metadata.uid
+    assert ops.status()["attempt"] == 2 and ops.status()["restarts"] == 1
+
+
 def test_missing_gang_scheduler_fails_the_job_with_a_clear_message(ops):
     ops.create(gpu_job().spec("scheduling", {"gang": {"enabled": True, "provider": "volcano"}}))
     status = ops.wait_phase("Failed")

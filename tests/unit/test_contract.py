@@ -92,8 +92,10 @@ def test_every_pod_variable_the_trainer_reads_is_set_by_the_operator():
     settings = OperatorSettings(progress_url="http://op:8080/progress")
     pod = builders.build_pod(make_job("llm").nodes(2).model(), 1, 3, settings)
     names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
-    # EXIT_DIR is the launcher's, for its own workers.
-    assert {e.value for e in PodEnv} - {PodEnv.EXIT_DIR.value} <= names
+    # EXIT_DIR is the launcher's, for its own workers; WORKER_START a user's choice (spec.pod.env), which
+    # the launcher defaults to forkserver.
+    assert {e.value for e in PodEnv} - {PodEnv.EXIT_DIR.value, PodEnv.WORKER_START.value} <= names
+    assert not contract.is_reserved_env(PodEnv.WORKER_START) and PodEnv.WORKER_START not in names
     assert not names & {e.value for e in WorkerEnv} - {PodEnv.MASTER_ADDR.value}, "torchrun sets these per worker"
 
 

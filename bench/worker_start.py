@@ -20,6 +20,7 @@ Uses CUDA and nccl where a GPU is visible (backend auto), else gloo on CPU. Not 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -98,7 +99,15 @@ def arm(start: str, procs: int, workdir: Path) -> dict:
                 raise RuntimeError(f"{start}: no resume\n{log_path.read_text()[-3000:]}")
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun starts spawned workers in sessions of their own: the launcher's group does not reach them.
+        doomed, stack = [], [proc.pid]
+        while stack:
+            pid = stack.pop()
+            doomed.append(pid)
+            stack.extend(children(pid))
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
         store.kill()
         store.wait()

@@ -148,7 +148,7 @@ class Elastic(ApiModel):
     max_nodes: int = Field(..., ge=1, le=1024, description="Most nodes the job may use.")
     max_restarts: int = Field(3, ge=0, le=100, description="torchrun's in-place restarts before the pod fails.")
     keep_global_batch: bool = Field(
-        True,
+        True, strict=True,  # as the schema's boolean: "yes" or 1 is refused, not read as true
         description="Keep the batch of maxNodes nodes at every size (gradient accumulation makes up for the "
         "missing nodes, the nearest batch when it does not divide), so the loss curve goes on across resizes. "
         "trainer.globalBatchSize, when set, is kept instead. false: each node adds its own batch.",

@@ -35,6 +35,15 @@ def launch(config, env: dict[str, str], command: list[str] | None = None) -> sub
     )  # fmt: skip
 
 
+def until_first_checkpoint(proc: subprocess.Popen, ckpt: Path, timeout: float = 180) -> float:
+    """Wait while the launcher runs until a checkpoint is committed under `ckpt`; returns the deadline used."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not committed_steps(ckpt):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    return deadline
+
+
 @pytest.fixture(scope="module")
 def store_port():
     """The job's rendezvous store as its pod runs it (`python -m sharded_trainer.store`), for every test here:
@@ -107,10 +116,7 @@ def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_new
     never exits), they resume from the newest checkpoint, and the report says which restart this is."""
     config = write_config(tmp_path, steps=40, **{"checkpoint.interval": 10})
     proc = launch(config, {**one_node(store_port), PodEnv.MAX_RESTARTS: "2"})
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not committed_steps(tmp_path / "ckpt"):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.05)
+    until_first_checkpoint(proc, tmp_path / "ckpt")
     [torchrun] = children(proc.pid)
     # The workers are forked by the agent's fork server, which imported torch before any worker started.
     [server] = [pid for pid in children(torchrun) if helper(pid) == "forkserver"]
@@ -210,10 +216,7 @@ def test_workers_stopped_by_torchrun_with_a_frozen_peer_exit_without_waiting_for
     checkpoint instead of waiting for torchrun's SIGKILL 30 s on, and the restarted workers resume and finish."""
     config = write_config(tmp_path, steps=40, **{"checkpoint.interval": 10})
     proc = launch(config, {**one_node(store_port), PodEnv.MAX_RESTARTS: "1"})
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not committed_steps(tmp_path / "ckpt"):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.05)
+    deadline = until_first_checkpoint(proc, tmp_path / "ckpt")
     [torchrun] = children(proc.pid)
     first, frozen = workers(torchrun)
     os.kill(frozen, signal.SIGSTOP)  # cut off: its sockets stay open, it answers nothing

@@ -49,3 +49,11 @@ def test_an_elastic_job_keeps_the_batch_of_its_full_size_at_every_world():
     explicit = TrainerConfig(micro_batch_size=4, global_batch_size=16, batch_nodes=4)
     assert with_kept_batch(explicit, procs_per_node=2).global_batch_size == 16
     assert with_kept_batch(TrainerConfig(micro_batch_size=4), procs_per_node=2).global_batch_size is None
+
+
+@pytest.mark.parametrize("nodes", [0, -1, 1025, 10**12, "four", 2.5])
+def test_batch_nodes_out_of_its_bounds_is_refused_naming_the_field(nodes):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="batch_nodes|batchNodes"):
+        TrainerConfig(micro_batch_size=4, batch_nodes=nodes)

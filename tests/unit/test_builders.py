@@ -156,6 +156,14 @@ def test_an_elastic_job_keeps_the_batch_of_its_full_size_unless_told_otherwise()
     assert builders.trainer_config(make_job().nodes(3).model()).batch_nodes is None
 
 
+@pytest.mark.parametrize("value", ["yes", 2, None, [True]])
+def test_keep_global_batch_takes_only_a_boolean(value):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="keepGlobalBatch|keep_global_batch"):
+        make_job().nodes(3).spec("elastic", {"minNodes": 2, "maxNodes": 4, "keepGlobalBatch": value}).model()
+
+
 def test_in_place_restarts_reach_torchrun_and_elastic_keeps_its_own():
     job = make_job().nodes(2).spec("failurePolicy", {"inPlaceRestarts": 3}).model()
     assert env_of(builders.build_pod(job, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "3"

@@ -64,8 +64,10 @@ def helper(pid: int) -> str | None:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
-    return next((name for name in ("forkserver", "resource_tracker") if b"multiprocessing." + name.encode() in argv),
-                None)  # fmt: skip
+    for name in ("forkserver", "resource_tracker"):
+        if f"multiprocessing.{name}".encode() in argv:
+            return name
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ from sharded_trainer.tensorboard import EventWriter
 # upper one before any iteration is timed, and below torchrun's own 30 s kill.
 STOP_AGREE_SECONDS = (2.0, 25.0)
 
+
 class StopRequest:
     """Set by SIGTERM/SIGINT; the loop turns it into one agreed step at which every rank stops.
 

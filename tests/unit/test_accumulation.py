@@ -55,5 +55,5 @@ def test_an_elastic_job_keeps_the_batch_of_its_full_size_at_every_world():
 def test_batch_nodes_out_of_its_bounds_is_refused_naming_the_field(nodes):
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="batch_nodes|batchNodes"):
+    with pytest.raises(ValidationError, match=r"batch_nodes|batchNodes"):
         TrainerConfig(micro_batch_size=4, batch_nodes=nodes)

@@ -160,7 +160,7 @@ def test_an_elastic_job_keeps_the_batch_of_its_full_size_unless_told_otherwise()
 def test_keep_global_batch_takes_only_a_boolean(value):
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="keepGlobalBatch|keep_global_batch"):
+    with pytest.raises(ValidationError, match=r"keepGlobalBatch|keep_global_batch"):
         make_job().nodes(3).spec("elastic", {"minNodes": 2, "maxNodes": 4, "keepGlobalBatch": value}).model()
 
 

@@ -36,7 +36,7 @@ class OperatorProcess:
             "SHARDED_OPERATOR_HTTP_PORT": str(port),
             "SHARDED_OPERATOR_PROGRESS_PORT": str(progress_port),
             "SHARDED_OPERATOR_PROGRESS_URL": self.progress_url,
-            "SHARDED_OPERATOR_RESYNC_SECONDS": "1",
+            "SHARDED_OPERATOR_RESYNC_SECONDS": "300",  # events and timers drive every decision; the resync is a net
             "SHARDED_OPERATOR_LOG_FORMAT": "plain",
             **{f"SHARDED_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()},
         }

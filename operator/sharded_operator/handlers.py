@@ -1,4 +1,12 @@
-"""Thin kopf handlers: every event about a job or one of its pods, and a resync loop, call reconcile().
+"""Thin kopf handlers over a watched view of the cluster, a work queue and reconcile().
+
+kopf's indexes hold what the watches delivered: every job, every pod with a job's name label (the pod
+watch is label-selected by the API server, not filtered here) reduced to what decisions read, and every
+node's readiness. kopf runs no handler before each index has had its initial listing, so no job is
+judged on a partial view. Handlers only mark a job to look at; a fixed number of workers reconcile marked
+jobs, never one job twice at once, each from a snapshot of the indexes: a reconcile at rest reads nothing
+from the API server. A decision that depends on the clock schedules the job's next look itself
+(`status.next_due`); the resync loop is a slow safety net for unfinished jobs, never for finished ones.
 
 The resync is one loop of the operator's, not a kopf timer per job: kopf puts a finalizer on every
 object a timer watches, and `kubectl delete stj` would then hang while the operator is down. Every
@@ -13,6 +21,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -20,38 +29,120 @@ import kopf
 from sharded_operator import election, web
 from sharded_operator.intake import ProgressDesk
 from sharded_operator.k8s import Kube
-from sharded_operator.models import GROUP, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.models import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
 from sharded_operator.progress import REPORT_FIELDS
-from sharded_operator.reconcile import Context, reconcile
+from sharded_operator.reconcile import Context, Snapshot, owned, reconcile
 from sharded_operator.settings import OperatorSettings
+from sharded_operator.views import NodeView, PodView
+from sharded_operator.workqueue import WorkQueue
 
 # Read once at import: `__main__` needs them before kopf starts.
 SETTINGS = OperatorSettings.from_env()
+# A reconcile that raised is retried after this many seconds, doubling per failure in a row up to the last.
+RETRY_SECONDS = (1.0, 60.0)
+
+JobKey = tuple[str, str]  # (namespace, name)
 
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-async def resync(ctx: Context, interval: float, logger: logging.Logger) -> None:
-    """Level-based checks no event announces (hang timeout, deadlines, TTL, lost nodes), for every job
-    seen, one after another in the executor kopf's sync handlers use."""
-    loop = asyncio.get_running_loop()
+# --- the watched view: kopf indexes ------------------------------------------------------------------
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[JobKey, dict[str, Any]] | None:
+    if SETTINGS.ignores(namespace):
+        return None
+    job = dict(body)
+    job["metadata"] = {k: v for k, v in job["metadata"].items() if k != "managedFields"}  # never read; large
+    return {(namespace, name): job}
+
+
+@kopf.index("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[JobKey, PodView] | None:
+    return None if SETTINGS.ignores(namespace) else {(namespace, labels[LABEL_JOB]): PodView.from_pod(dict(body))}
+
+
+@kopf.index("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+def node_jobs(namespace: str, labels: kopf.Labels, spec: kopf.Spec, **_: Any) -> dict[str, JobKey] | None:
+    """The jobs with a pod on each node: those to look at when the node's readiness changes."""
+    node = spec.get("nodeName")
+    return {node: (namespace, labels[LABEL_JOB])} if node and not SETTINGS.ignores(namespace) else None
+
+
+@kopf.index("v1", "nodes")
+def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
+    return {name: NodeView.from_node(dict(body))}
+
+
+def _one(store: Any) -> Any:
+    return next(iter(store), None) if store is not None else None
+
+
+def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
+    """The job `key` as the indexes show it, with this operator's writes the watch has not shown yet."""
+    bodies = list(index.jobs.get(key, ()))
+    if not bodies:
+        return None
+    body = next((b for b in bodies if not b["metadata"].get("deletionTimestamp")), bodies[0])
+    uid = body["metadata"]["uid"]
+    body = {**body, "status": ctx.recent.status(uid, body.get("status") or {}, owned)}
+    pods = ctx.recent.pods(f"{key[0]}/{key[1]}", list(index.job_pods.get(key, ())))
+    views = {n: v for n in {p.node for p in pods if p.node} if (v := _one(index.nodes.get(n))) is not None}
+    ports: frozenset[int] = frozenset()
+    if ((body.get("spec") or {}).get("network") or {}).get("hostNetwork") and "hostPort" not in body["status"]:
+        ports = frozenset(
+            port for store in index.jobs.values() for j in store
+            if (port := (j.get("status") or {}).get("hostPort")) is not None
+            and (j.get("status") or {}).get("phase") not in FINISHED
+        )  # fmt: skip
+    return Snapshot(body=body, pods=pods, nodes=views, host_ports=ports)
+
+
+# --- the loops ---------------------------------------------------------------------------------------
+
+
+async def work(ctx: Context, queue: WorkQueue, index: kopf.Memo, pool: ThreadPoolExecutor,
+               logger: logging.Logger) -> None:  # fmt: skip
+    """One worker: take a marked job, reconcile it from a snapshot, schedule its next look if the clock
+    can change its decision. A reconcile that raised is retried with backoff (its events retry it too)."""
+    loop, failures = asyncio.get_running_loop(), {}
+    await ctx.indexed.wait()
+    while True:
+        key = await queue.get()
+        try:
+            snap = snapshot(ctx, index, key) if ctx.leadership.leading(_now()) else None
+            if snap is None:
+                continue
+            out = await loop.run_in_executor(pool, reconcile, ctx, snap, logger)
+            failures.pop(key, None)
+            if out is not None and out.due is not None:
+                queue.add_after(key, (out.due - _now()).total_seconds())
+        except Exception:  # one job's trouble must not stop the others
+            failures[key] = failures.get(key, 0) + 1
+            delay = min(RETRY_SECONDS[0] * 2 ** (failures[key] - 1), RETRY_SECONDS[1])
+            logger.exception("reconcile of %s/%s failed; again in %.0fs", *key, delay)
+            queue.add_after(key, delay)
+        finally:
+            queue.done(key)
+
+
+async def resync(ctx: Context, queue: WorkQueue, index: kopf.Memo, interval: float) -> None:
+    """The safety net: every unfinished job is looked at every `interval` seconds, whatever the events."""
     while True:
         await asyncio.sleep(interval)
         ctx.health.beat("resync")
         if not ctx.leadership.leading(_now()):
             continue
-        for namespace, name in sorted(ctx.known):
-            try:
-                if await loop.run_in_executor(None, reconcile, ctx, namespace, name, logger) is None:
-                    ctx.known.discard((namespace, name))
-            except Exception:  # one job's trouble must not stop the others' resync; its events retry it
-                logger.exception("resync of %s/%s failed", namespace, name)
+        for key, store in list(index.jobs.items()):
+            if any((b.get("status") or {}).get("phase") not in FINISHED for b in store):
+                queue.add(key)
 
 
-async def elect(ctx: Context, logger: logging.Logger) -> None:
-    """Acquire or renew the Lease every few seconds; on becoming the holder, reconcile every known job."""
+async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, logger: logging.Logger) -> None:
+    """Acquire or renew the Lease every few seconds; on becoming the holder, look at every job."""
     cfg, loop = ctx.settings, asyncio.get_running_loop()
     while True:
         ctx.health.beat("election")
@@ -65,8 +156,14 @@ async def elect(ctx: Context, logger: logging.Logger) -> None:
             logger.exception("renewing the Lease failed")
             held = False
         ctx.leadership.record(held, _now())
-        if ctx.leadership.leading(_now()) != was:
-            logger.warning("%s the Lease %s", "holding" if not was else "lost", cfg.lease_name)
+        if (leading := ctx.leadership.leading(_now())) != was:
+            logger.warning("%s the Lease %s", "holding" if leading else "lost", cfg.lease_name)
+            # Another replica wrote meanwhile, or writes from now on: only what the watch shows is believed.
+            ctx.recent.clear()
+            ctx.seen.clear()
+            if leading:
+                for key in list(index.jobs):
+                    queue.add(key)
         await asyncio.sleep(election.RETRY_SECONDS)
 
 
@@ -78,24 +175,36 @@ async def flush_progress(desk: ProgressDesk, ctx: Context) -> None:
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, jobs: kopf.Index,
+                  job_pods: kopf.Index, node_jobs: kopf.Index, nodes: kopf.Index, **_: Any) -> None:  # fmt: skip
     cfg = SETTINGS
     settings.posting.level = logging.WARNING  # our own events are richer than kopf's per-handler ones
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.watching.server_timeout = 300
+    # Only pods with a job's name label reach the operator: the API server selects them.
+    settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
     settings.peering.standalone = True
     ctx = memo.ctx = Context(settings=cfg, kube=Kube.connect(), metrics=web.Metrics(cfg.metrics_max_jobs))
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)
-    desk = ProgressDesk(ctx.kube, cfg, ctx.metrics)
+    ctx.indexed = asyncio.Event()
+    memo.index = kopf.Memo(jobs=jobs, job_pods=job_pods, node_jobs=node_jobs, nodes=nodes)
+    memo.queue = queue = WorkQueue()
+    memo.node_ready = {}
+    ctx.metrics.watch_queue(queue)
+    pool = ThreadPoolExecutor(cfg.reconcile_workers, thread_name_prefix="reconcile")
+    desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: _one(jobs.get((ns, name))))
     memo.runners = [
         await web.start(web.metrics_app(ctx.metrics, ctx.health), cfg.http_host, cfg.http_port),
         await web.start(web.progress_app(desk.take), cfg.http_host, cfg.progress_port),
     ]
-    memo.tasks = [asyncio.create_task(resync(ctx, cfg.resync_seconds, logger)),
-                  asyncio.create_task(flush_progress(desk, ctx))]  # fmt: skip
+    memo.tasks = [
+        asyncio.create_task(resync(ctx, queue, memo.index, cfg.resync_seconds)),
+        asyncio.create_task(flush_progress(desk, ctx)),
+        *(asyncio.create_task(work(ctx, queue, memo.index, pool, logger)) for _ in range(cfg.reconcile_workers)),
+    ]
     if cfg.lease_name:
-        memo.tasks.append(asyncio.create_task(elect(ctx, logger)))
+        memo.tasks.append(asyncio.create_task(elect(ctx, queue, memo.index, logger)))
     logger.info("serving /metrics and /healthz on %s:%s, /progress on port %s", cfg.http_host, cfg.http_port,
                 cfg.progress_port)  # fmt: skip
 
@@ -115,32 +224,54 @@ def _digest(body: kopf.Body) -> str:
     return hashlib.sha256(json.dumps([meta, body.get("spec"), status], sort_keys=True).encode()).hexdigest()
 
 
+# --- events: each only marks a job to look at --------------------------------------------------------
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def job_event(type: str, body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo, logger,
-              **_: Any) -> None:  # fmt: skip
+async def job_event(type: str, body: kopf.Body, name: str, namespace: str, uid: str, memo: kopf.Memo,
+                    **_: Any) -> None:  # fmt: skip
     ctx: Context = memo.ctx
+    ctx.indexed.set()  # kopf runs handlers only once every index is listed
     if ctx.settings.ignores(namespace):
         return
     if type == "DELETED":
         ctx.forget(uid, namespace, name)
-        ctx.seen.pop(uid, None)
+        memo.queue.forget((namespace, name))
         return
-    ctx.known.add((namespace, name))
     digest = _digest(body)
     if ctx.seen.get(uid) == digest or not ctx.leadership.leading(_now()):
-        return  # a progress write only, or not ours to act on: the resync still looks
+        return  # a progress write only, or not ours to act on
     ctx.seen[uid] = digest
-    reconcile(ctx, namespace, name, logger)
+    memo.queue.add((namespace, name))
 
 
 @kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_event(
-    type: str, body: kopf.Body, labels: dict[str, str], namespace: str, memo: kopf.Memo, logger, **_: Any
-) -> None:
+async def pod_event(type: str, body: kopf.Body, labels: kopf.Labels, namespace: str, memo: kopf.Memo,
+                    **_: Any) -> None:  # fmt: skip
     ctx: Context = memo.ctx
+    ctx.indexed.set()
     if ctx.settings.ignores(namespace):
         return
-    if type == "DELETED":  # its last state says why it went; the next list will not have it
+    if type == "DELETED":  # its last state says why it went; the index forgets it
         ctx.pod_gone(namespace, labels[LABEL_JOB], dict(body))
     if ctx.leadership.leading(_now()):
-        reconcile(ctx, namespace, labels[LABEL_JOB], logger)
+        memo.queue.add((namespace, labels[LABEL_JOB]))
+
+
+@kopf.on.event("v1", "nodes")
+async def node_event(type: str, name: str, body: kopf.Body, memo: kopf.Memo, node_jobs: kopf.Index,
+                     **_: Any) -> None:  # fmt: skip
+    """A node's readiness changed, or the node went: look at the jobs with a pod on it. Heartbeats change
+    nothing a decision reads and cost nothing more."""
+    ctx: Context = memo.ctx
+    ctx.indexed.set()
+    view = None if type == "DELETED" else NodeView.from_node(dict(body))
+    if name in memo.node_ready and memo.node_ready.get(name) == view:
+        return
+    if view is None:
+        memo.node_ready.pop(name, None)
+    else:
+        memo.node_ready[name] = view
+    if ctx.leadership.leading(_now()):
+        for key in set(node_jobs.get(name, ())):
+            memo.queue.add(key)

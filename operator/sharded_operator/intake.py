@@ -100,8 +100,10 @@ class ProgressDesk:
     """Takes progress reports: authenticate, validate, rate-limit, and write them into job status."""
 
     def __init__(self, kube: Kube, settings: OperatorSettings, metrics: Metrics,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 cached: Callable[[str, str], dict[str, Any] | None] = lambda namespace, name: None):  # fmt: skip
         self.kube, self.settings, self.metrics, self.clock, self.wall = kube, settings, metrics, clock, wall
+        self.cached = cached  # the job as the watch last showed it: a write tries that version first
         self.reviews = TTLCache(4096, 60, clock)  # token digest -> Sender or Refusal
         self.pods = TTLCache(4096, 5, clock)  # pod uid -> the pod as last read
         self.review_budget = Bucket(settings.token_reviews_per_second, settings.token_reviews_per_second * 2, clock)
@@ -185,8 +187,10 @@ class ProgressDesk:
             report = desk.report
             if report is None:
                 return False
-            for _ in range(5):  # the job changes under us (reconcile writes its status): merge again
-                job = await self._run(self.kube.get_job, report.namespace, report.name)
+            job = self.cached(report.namespace, report.name)
+            for _ in range(5):  # the job changes under us (reconcile writes its status): read it, merge again
+                if job is None or job["metadata"]["uid"] != report.uid:
+                    job = await self._run(self.kube.get_job, report.namespace, report.name)
                 if job is None or job["metadata"]["uid"] != report.uid:
                     desk.report = None
                     raise Refusal(403, f"job {report.namespace}/{report.name} with UID {report.uid} is gone")
@@ -199,6 +203,7 @@ class ProgressDesk:
                 rv = job["metadata"]["resourceVersion"]
                 if await self._run(self.kube.patch_report, report.namespace, report.name, fields, rv):
                     break
+                job = None
             else:
                 return False
             desk.report, desk.written_at = None, self.clock()

@@ -122,13 +122,15 @@ class Kube:
         return [self._dict(n) for n in self.core.list_node().items]
 
     @retrying
-    def create(self, namespace: str, obj: dict[str, Any]) -> bool:
-        """Create `obj`; an existing object of that name is success (returns False)."""
+    def create(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Create `obj` and return it as created (a pod with its UID); an existing object of that name is
+        success too (returns None)."""
         kind = obj["kind"]
         try:
-            if kind == "Pod":
-                self.core.create_namespaced_pod(namespace, obj)
-            elif kind == "Service":
+            if kind == "Pod":  # read as JSON: the client's model objects cost more CPU than the request
+                resp = self.core.create_namespaced_pod(namespace, obj, _preload_content=False)
+                return json.loads(resp.data)
+            if kind == "Service":
                 self.core.create_namespaced_service(namespace, obj)
             elif kind == "ConfigMap":
                 self.core.create_namespaced_config_map(namespace, obj)
@@ -141,13 +143,13 @@ class Kube:
                 raise ValueError(f"unsupported kind {kind}")
         except ApiException as e:
             if e.status == 409:
-                return False
+                return None
             if e.status == 404 and kind == "PodGroup":
                 raise MissingAPI(f"{obj['apiVersion']} PodGroup is not installed in this cluster") from e
             if e.status in (400, 403, 422):  # admission said no: a policy, a quota or an invalid object
                 raise Refused.from_api(kind, obj["metadata"]["name"], e) from e
             raise
-        return True
+        return obj
 
     @retrying
     def read_meta(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:

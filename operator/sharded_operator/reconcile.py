@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import logging
-import threading
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,33 +18,40 @@ from sharded_operator.k8s import Kube, MissingAPI, Refused
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.overrides import forbidden
 from sharded_operator.progress import REPORT_FIELDS
+from sharded_operator.recent import Recent
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.status import decide, record_refusal, set_phase
+from sharded_operator.status import decide, next_due, record_refusal, set_phase
 from sharded_operator.views import NodeView, Observed, PodView, controller_uid
 from sharded_operator.web import Health, Metrics
 from sharded_trainer.config import format_validation_error
 from sharded_trainer.contract import iso
 
+# How soon a job whose pods could not be created looks again: a child's name held by a deleted job's object
+# (its deletion is under way), or a create the API server refused (a quota, a policy: it may change).
+HELD_SECONDS = 2
+REFUSED_SECONDS = 10
+
 
 @dataclass
 class Context:
-    """What every reconcile shares: settings, the API, metrics, per-job locks, what pod events told."""
+    """What every reconcile shares: settings, the API, metrics, what pod events told, writes not yet watched."""
 
     settings: OperatorSettings
     kube: Kube
     metrics: Metrics = field(default_factory=Metrics)
-    locks: defaultdict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
     departed: dict[str, dict[str, PodView]] = field(default_factory=dict)  # "ns/job" -> pod name -> last view
     missing: dict[str, dict[str, str]] = field(default_factory=dict)  # "ns/job" -> pod name -> missing since
-    known: set[tuple[str, str]] = field(default_factory=set)  # (namespace, name) of every job seen: resynced
     seen: dict[str, str] = field(default_factory=dict)  # job UID -> digest of the version last reconciled on
+    recent: Recent = field(default_factory=Recent)
     leadership: Leadership = field(default_factory=lambda: Leadership("", enabled=False))
     health: Health = field(default_factory=lambda: Health(float("inf")))
+    indexed: asyncio.Event | None = None  # set once every watched kind has had its initial listing
 
     def pod_gone(self, namespace: str, job: str, pod: dict[str, Any]) -> None:
         """Keep a deleted training pod's last state (why it went) until a reconcile of its job has seen it."""
         view = PodView.from_pod(pod)
-        if view.index < 0:  # the rendezvous store pod: reconcile reads it by name
+        self.recent.pod_gone(f"{namespace}/{job}", view.uid)
+        if view.index < 0:  # the rendezvous store pod: only its absence matters
             return
         self.departed.setdefault(f"{namespace}/{job}", {})[view.name] = view
 
@@ -53,9 +59,27 @@ class Context:
         """Drop what is kept per job once the job is gone: departed pods, missing pods, phase gauge."""
         self.departed.pop(f"{namespace}/{name}", None)
         self.missing.pop(f"{namespace}/{name}", None)
-        self.known.discard((namespace, name))
+        self.seen.pop(uid, None)
+        self.recent.forget(f"{namespace}/{name}", uid)
         self.metrics.observe_phase(uid, None)
         self.metrics.jobs.forget(uid)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One job as the watches show it, taken on the event loop (the indexes change there) for a reconcile
+    in a worker thread: no reconcile reads the API server."""
+
+    body: dict[str, Any]  # the job, with the status fields this operator owns as it last wrote them
+    pods: list[PodView]  # every pod with the job's name label: its training pods and its store pod
+    nodes: dict[str, NodeView]  # the nodes those pods are on (a name missing here: that node is gone)
+    host_ports: frozenset[int] = frozenset()  # ports of host-network jobs that have not finished
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: ShardedTrainingJobStatus
+    due: dt.datetime | None  # when a rule that depends on the clock could decide otherwise
 
 
 def adopt(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
@@ -71,11 +95,13 @@ def adopt(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -> ShardedTrainingJobStatus | None:
-    """Bring one job one step closer to its spec. Safe to call any number of times, from any event."""
-    with ctx.locks[f"{namespace}/{name}"], ctx.metrics.reconcile_seconds.time():
-        body = ctx.kube.get_job(namespace, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
+def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome | None:
+    """Bring one job one step closer to its spec. Safe to call any number of times, from any event. None:
+    the job is gone or going."""
+    body = snap.body
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    with ctx.metrics.reconcile_seconds.time():
+        if body["metadata"].get("deletionTimestamp"):
             return None
         try:
             job = ShardedTrainingJob.model_validate(body)
@@ -84,18 +110,15 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         if refused := forbidden(job.spec, ctx.settings.forbid_pod_overrides):
             return _invalid(ctx, body, refused, logger)
         uid = body["metadata"]["uid"]
-        labelled = [PodView.from_pod(p) for p in ctx.kube.list_job_pods(namespace, name)]
-        pods = [p for p in labelled if p.owner_uid == uid]
         key = f"{namespace}/{name}"
+        pods = [p for p in snap.pods if p.owner_uid == uid and p.index >= 0]
+        # Pods of a deleted job of the same name, still going (its store pod too): not ours to judge.
+        foreign = [p.name for p in snap.pods if p.owner_uid != uid]
+        store_name = builders.store_pod_name(job)
+        store = next((p for p in snap.pods if p.index < 0 and p.owner_uid == uid and p.name == store_name), None)
         departed = ctx.departed.get(key, {})
-        nodes = {n["metadata"]["name"]: NodeView.from_node(n) for n in ctx.kube.nodes()}
-        foreign = [p.name for p in labelled if p.owner_uid != uid]
-        store_pod = ctx.kube.get_pod(namespace, builders.store_pod_name(job))
-        store = PodView.from_pod(store_pod) if store_pod else None
-        if store is not None and store.owner_uid != uid:  # a deleted job's, still going: not ours to judge
-            foreign.append(store.name)
-            store = None
-        observed = Observed(pods=pods, nodes=nodes, departed=departed, foreign=foreign, store=store, store_listed=True)
+        observed = Observed(pods=pods, nodes=snap.nodes, departed=departed, foreign=foreign, store=store,
+                            store_listed=True)  # fmt: skip
         now = dt.datetime.now(dt.UTC)
         seen_missing = ctx.missing.get(key, {})
         ctx.missing[key] = {p: seen_missing.get(p, iso(now)) for p in missing_pods(job, job.status, observed)}
@@ -120,19 +143,22 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
         # 2. children the pods need, then the pods of the current attempt (built from the decided status:
         #    a host-network job's port is chosen once, before its first child)
         if job.spec.network.host_network and plan.status.host_port is None and plan.status.phase not in FINISHED:
-            used = {p for p in ctx.kube.host_ports_in_use() if p is not None}
-            plan.status.host_port = builders.choose_host_port(uid, ctx.settings.host_ports, used)
+            plan.status.host_port = builders.choose_host_port(uid, ctx.settings.host_ports, set(snap.host_ports))
         decided = job.model_copy(update={"status": plan.status})
+        due = next_due(job, plan.status, observed, now)
         if plan.create or plan.create_store:
             refusal = held = None
             try:
                 # The pods would mount or resolve another job's objects while it is held.
                 held = _ensure_children(ctx, decided, body)
                 if plan.create_store and not held:
-                    ctx.kube.create(namespace, adopt(builders.build_store_pod(decided, ctx.settings), body))
+                    store_pod = adopt(builders.build_store_pod(decided, ctx.settings), body)
+                    if created := ctx.kube.create(namespace, store_pod):
+                        ctx.recent.pod_created(key, PodView.from_pod(created))
                 for index in [] if held else plan.create:
                     pod = adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
-                    if ctx.kube.create(namespace, pod):
+                    if created := ctx.kube.create(namespace, pod):
+                        ctx.recent.pod_created(key, PodView.from_pod(created))
                         ctx.metrics.pods_created.inc()
             except MissingAPI as e:
                 return _invalid(ctx, body, str(e), logger)
@@ -145,17 +171,23 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
                 set_phase(plan.status, Phase.PENDING, "CreateRefused" if refusal else "WaitingForPreviousJob", why,
                           iso(now))  # fmt: skip
             record_refusal(plan, refusal, iso(now))
+            # Nothing watched announces a held name freed or a quota freed: look again after a while.
+            if held or refusal:
+                again = now + dt.timedelta(seconds=HELD_SECONDS if held else REFUSED_SECONDS)
+                due = min(due or again, again)
         # 3. one status write, only when something changed
         #    (the fields progress reports write are theirs: this patch never names them)
         before = job.status
-        old = _owned(before.model_dump(by_alias=True, exclude_none=True, mode="json"))
-        new = _owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
+        old = owned(before.model_dump(by_alias=True, exclude_none=True, mode="json"))
+        new = owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
         written = new == old or ctx.kube.patch_status(
             namespace, name, new, uid=uid, before=old if body.get("status") else None
         )
         if not written:
             logger.info("the job was replaced while it was being reconciled: its status is the new one's to write")
             return None
+        if new != old:
+            ctx.recent.status_written(uid, new)
         # 4. events and metrics for what changed, once the status that records it is written: a
         #    reconcile that fails before this point is retried and must not repeat them
         for type_, reason, message in plan.events:
@@ -173,7 +205,8 @@ def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -
             logger.info("ttlSecondsAfterFinished reached: deleting the job")
             ctx.kube.delete_job(namespace, name)
             ctx.forget(uid, namespace, name)
-        return plan.status
+            return None
+        return Outcome(plan.status, due)
 
 
 def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]) -> str | None:
@@ -196,7 +229,8 @@ def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]
     return None
 
 
-def _owned(status: dict[str, Any]) -> dict[str, Any]:
+def owned(status: dict[str, Any]) -> dict[str, Any]:
+    """The status fields reconcile writes: all but those progress reports write."""
     return {k: v for k, v in status.items() if k not in REPORT_FIELDS}
 
 
@@ -207,21 +241,21 @@ def _held(meta: dict[str, Any] | None, uid: str) -> bool:
     return bool(meta.get("deletionTimestamp")) or controller_uid(meta) not in (uid, None)
 
 
-def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.Logger) -> ShardedTrainingJobStatus:
+def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.Logger) -> Outcome:
     """A job the operator cannot run (it slipped past admission, or needs a missing API): Failed, once."""
     current = body.get("status") or {}
     status = ShardedTrainingJobStatus.model_validate(current)
     if status.phase == Phase.FAILED:
-        return status
+        return Outcome(status, None)
     now = iso()
     status.completion_time = now
     set_phase(status, Phase.FAILED, "InvalidSpec", message, now)
     logger.error("invalid job: %s", message)
-    written = ctx.kube.patch_status(
-        body["metadata"]["namespace"], body["metadata"]["name"],
-        status.model_dump(by_alias=True, exclude_none=True, mode="json"), uid=body["metadata"]["uid"],
-    )  # fmt: skip
+    dump = status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    uid = body["metadata"]["uid"]
+    written = ctx.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], dump, uid=uid)
     if written:
+        ctx.recent.status_written(uid, owned(dump))
         ctx.kube.event(body, "Warning", "InvalidSpec", message)
     ctx.metrics.failures.labels("InvalidSpec").inc()
-    return status
+    return Outcome(status, None)

@@ -59,7 +59,14 @@ class OperatorSettings(BaseModel):
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", max_length=253,
         description="This replica's name in the Lease.",
     )  # fmt: skip
-    resync_seconds: float = Field(5.0, gt=0, description="How often each job is reconciled without events.")
+    resync_seconds: float = Field(
+        60.0, gt=0,
+        description="How often every unfinished job is looked at without events: a safety net, as every event and "
+        "every deadline or timeout a decision depends on schedules its own look.",
+    )  # fmt: skip
+    reconcile_workers: int = Field(
+        8, ge=1, le=64, description="Jobs reconciled at once (each by one worker; API calls run in parallel)."
+    )
     restart_grace_seconds: int = Field(30, ge=0, description="Grace period when a gang is torn down for a restart.")
     suspend_grace_seconds: int = Field(
         120, ge=0, description="Grace period on suspend: time for the trainer's final checkpoint."

@@ -42,9 +42,18 @@ class Metrics:
             "sharded_progress_reports_total", "Progress reports by answer (HTTP status)", ["code"],
             registry=self.registry,
         )  # fmt: skip
+        self.queued = Gauge("sharded_reconcile_queue_depth", "Jobs waiting for a reconcile worker",
+                            registry=self.registry)  # fmt: skip
+        self.scheduled = Gauge("sharded_reconcile_scheduled", "Jobs with a timed next look (deadline, timeout)",
+                               registry=self.registry)  # fmt: skip
         self._phases: dict[str, str] = {}
         for p in Phase:
             self.jobs_by_phase.labels(p.value).set(0)
+
+    def watch_queue(self, queue: Any) -> None:
+        """Read the work queue's depth and timers at each scrape (a WorkQueue: len() and .scheduled)."""
+        self.queued.set_function(lambda: len(queue))
+        self.scheduled.set_function(lambda: queue.scheduled)
 
     def observe_phase(self, uid: str, phase: str | None) -> None:
         """O(1): the job leaves its old phase's count and joins the new one's."""

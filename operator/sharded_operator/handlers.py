@@ -49,10 +49,12 @@ def _now() -> dt.datetime:
 
 
 # --- the watched view: kopf indexes ------------------------------------------------------------------
+# Coroutines, so kopf runs them on its loop: no thread hop per event, and a snapshot (taken on the loop)
+# never sees an index half updated.
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[JobKey, dict[str, Any]] | None:
+async def jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[JobKey, dict[str, Any]] | None:
     if SETTINGS.ignores(namespace):
         return None
     job = dict(body)
@@ -61,19 +63,19 @@ def jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[JobKey, d
 
 
 @kopf.index("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[JobKey, PodView] | None:
+async def job_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[JobKey, PodView] | None:
     return None if SETTINGS.ignores(namespace) else {(namespace, labels[LABEL_JOB]): PodView.from_pod(dict(body))}
 
 
 @kopf.index("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def node_jobs(namespace: str, labels: kopf.Labels, spec: kopf.Spec, **_: Any) -> dict[str, JobKey] | None:
+async def node_jobs(namespace: str, labels: kopf.Labels, spec: kopf.Spec, **_: Any) -> dict[str, JobKey] | None:
     """The jobs with a pod on each node: those to look at when the node's readiness changes."""
     node = spec.get("nodeName")
     return {node: (namespace, labels[LABEL_JOB])} if node and not SETTINGS.ignores(namespace) else None
 
 
 @kopf.index("v1", "nodes")
-def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
+async def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
     return {name: NodeView.from_node(dict(body))}
 
 
@@ -105,10 +107,11 @@ def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
 
 
 async def work(ctx: Context, queue: WorkQueue, index: kopf.Memo, pool: ThreadPoolExecutor,
-               logger: logging.Logger) -> None:  # fmt: skip
+               failures: dict[JobKey, int], logger: logging.Logger) -> None:  # fmt: skip
     """One worker: take a marked job, reconcile it from a snapshot, schedule its next look if the clock
-    can change its decision. A reconcile that raised is retried with backoff (its events retry it too)."""
-    loop, failures = asyncio.get_running_loop(), {}
+    can change its decision. A reconcile that raised is retried with backoff (its events retry it too);
+    `failures` (failures in a row per job) is shared by the workers."""
+    loop = asyncio.get_running_loop()
     await ctx.indexed.wait()
     while True:
         key = await queue.get()
@@ -179,12 +182,17 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
                   job_pods: kopf.Index, node_jobs: kopf.Index, nodes: kopf.Index, **_: Any) -> None:  # fmt: skip
     cfg = SETTINGS
     settings.posting.level = logging.WARNING  # our own events are richer than kopf's per-handler ones
+    # Handlers only queue jobs: a line per handled event would cost more than the handling (thousands of pod
+    # events a minute in a large cluster). kopf's warnings and errors still show.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.watching.server_timeout = 300
     # Only pods with a job's name label reach the operator: the API server selects them.
     settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
     settings.peering.standalone = True
-    ctx = memo.ctx = Context(settings=cfg, kube=Kube.connect(), metrics=web.Metrics(cfg.metrics_max_jobs))
+    metrics = web.Metrics(cfg.metrics_max_jobs)
+    kube = Kube.connect(on_request=lambda method, resource: metrics.api_requests.labels(method, resource).inc())
+    ctx = memo.ctx = Context(settings=cfg, kube=kube, metrics=metrics)
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)
     ctx.indexed = asyncio.Event()
@@ -193,6 +201,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     memo.node_ready = {}
     ctx.metrics.watch_queue(queue)
     pool = ThreadPoolExecutor(cfg.reconcile_workers, thread_name_prefix="reconcile")
+    failures: dict[JobKey, int] = {}
     desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: _one(jobs.get((ns, name))))
     memo.runners = [
         await web.start(web.metrics_app(ctx.metrics, ctx.health), cfg.http_host, cfg.http_port),
@@ -201,7 +210,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     memo.tasks = [
         asyncio.create_task(resync(ctx, queue, memo.index, cfg.resync_seconds)),
         asyncio.create_task(flush_progress(desk, ctx)),
-        *(asyncio.create_task(work(ctx, queue, memo.index, pool, logger)) for _ in range(cfg.reconcile_workers)),
+        *(asyncio.create_task(work(ctx, queue, memo.index, pool, failures, logger))
+          for _ in range(cfg.reconcile_workers)),
     ]
     if cfg.lease_name:
         memo.tasks.append(asyncio.create_task(elect(ctx, queue, memo.index, logger)))

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -41,22 +42,42 @@ def retrying(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-class Kube:
-    """Typed access to the objects a job owns. Plain dicts in, plain dicts out."""
+def resource_of(url: str) -> str:
+    """The resource (and subresource) a request URL names: pods, shardedtrainingjobs/status, leases..."""
+    parts = urlsplit(url).path.strip("/").split("/")
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if rest[:1] == ["namespaces"] and len(rest) >= 3:
+        rest = rest[2:]
+    if not rest:
+        return "-"
+    return f"{rest[0]}/{rest[2]}" if len(rest) > 2 else rest[0]
 
-    def __init__(self, api_client: client.ApiClient):
+
+class Kube:
+    """Typed access to the objects a job owns. Plain dicts in, plain dicts out. `on_request(method, resource)`
+    is told of every request sent (the operator counts them in its metrics)."""
+
+    def __init__(self, api_client: client.ApiClient, on_request: Callable[[str, str], None] | None = None):
         self.api_client = api_client
+        if on_request is not None:
+            call = api_client.call_api
+
+            def counted(method, url, *args, **kwargs):
+                on_request(method, resource_of(url))
+                return call(method, url, *args, **kwargs)
+
+            api_client.call_api = counted
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.events = client.EventsV1Api(api_client)
 
     @classmethod
-    def connect(cls, kubeconfig: str | None = None) -> Kube:
+    def connect(cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None) -> Kube:
         try:
             config.load_incluster_config()
-            return cls(client.ApiClient())
+            return cls(client.ApiClient(), on_request)
         except config.ConfigException:
-            return cls(config.new_client_from_config(config_file=kubeconfig))
+            return cls(config.new_client_from_config(config_file=kubeconfig), on_request)
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return self.api_client.sanitize_for_serialization(obj)

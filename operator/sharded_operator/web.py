@@ -31,6 +31,10 @@ class Metrics:
         self.finished = Counter(
             "sharded_jobs_finished_total", "Jobs that ended, by phase", ["phase"], registry=self.registry
         )
+        self.api_requests = Counter(
+            "sharded_api_requests", "Requests the operator sent to the API server (watches apart), by method and "
+            "resource", ["method", "resource"], registry=self.registry,
+        )  # fmt: skip
         self.pods_created = Counter("sharded_pods_created_total", "Pods created", registry=self.registry)
         self.reconcile_seconds = Histogram(
             "sharded_reconcile_duration_seconds",

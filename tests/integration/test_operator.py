@@ -442,6 +442,31 @@ def test_metrics_endpoint_reports_the_runs(ops, operator):
     assert values["sharded_reconcile_duration_seconds_count"] > 0
 
 
+def api_requests(operator) -> dict[str, float]:
+    with urllib.request.urlopen(f"{operator.url}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    counted = [line.rsplit(" ", 1) for line in lines if line.startswith("sharded_api_requests_total")]
+    return {series: float(value) for series, value in counted}
+
+
+def test_a_running_job_at_rest_costs_no_api_request_and_its_pod_events_no_read(ops, operator, core):
+    """Reconciles read the watched view, not the API server: with nothing changing the operator sends no
+    request at all, and a pod event (a label edited) is looked at without a GET or a LIST."""
+    # Earlier tests' namespaces going away are not at rest: their jobs lose their pods, restart, are refused.
+    terminating = lambda: [n.metadata.name for n in core.list_namespace().items if n.status.phase == "Terminating"]  # noqa: E731
+    wait_for(lambda: not terminating(), timeout=180, what="earlier tests' namespaces gone")
+    ops.create(gpu_job())
+    ops.wait_running_attempt(1, 2)
+    time.sleep(3)  # the last status write of the start
+    before = api_requests(operator)
+    assert before, "the operator counts its requests"
+    time.sleep(10)
+    core.patch_namespaced_pod("j-0", ops.ns, {"metadata": {"labels": {"touched": "yes"}}})
+    time.sleep(3)
+    after = api_requests(operator)
+    assert after == before, {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k)}
+
+
 def test_pods_are_admitted_where_pod_security_is_restricted_and_infiniband_says_why_not(ops, core):
     labels = {"pod-security.kubernetes.io/enforce": "restricted"}
     core.patch_namespace(ops.ns, {"metadata": {"labels": labels}})

@@ -1,0 +1,388 @@
+"""The operator at cluster scale, against a raw client creating the same pods on the same API server.
+
+    .venv/bin/python bench/operator_scale.py --nodes 1000 --jobs 1000 --out bench/results/operator-scale.json
+
+Starts the local control plane (etcd, kube-apiserver, controller-manager, scheduler, KWOK) with `--nodes`
+KWOK nodes of 8 GPUs, and in one run, one arm after the other:
+
+1. raw burst: a raw client (the `kubernetes` package, 16 threads, responses read as JSON) creates the pods
+   the operator would create for `--jobs` jobs of 8 nodes x 1 GPU (8 training pods and the rendezvous store
+   pod each, built by the operator's own builders), as fast as it can;
+2. operator burst: `--jobs` ShardedTrainingJobs created as fast as 16 threads can; the operator creates
+   everything (Service, ConfigMap, pods, status, events). Then, with every job Running and nothing
+   changing, the steady state: the operator's own API requests (its `sharded_api_requests_total`), every
+   client's requests (the API server's `apiserver_request_total`), the operator's CPU and RSS;
+3. operator paced: jobs arrive at `--rate` jobs/s; at 100, 250, 500 and 1,000 jobs the arrivals pause, every
+   job is let reach Running and the steady state is measured again (how it grows with the jobs);
+4. raw paced: the raw client creates each job's pods at the same arrival rate.
+
+Every pod is timed when this process first sees it in a watch (one label-selected watch of every pod,
+read as raw JSON lines); "submit -> all pods" is from the moment a job (or a raw job's first pod) was sent
+to the moment its last pod was seen. pods/s = pods / (last pod seen - first submit). Between arms the
+namespace is deleted and every pod is waited out.
+
+Absolute numbers are this machine's (2 CPU cores shared by the API server, etcd, the scheduler, KWOK, the
+operator and this process); the ratios come from arms of the same run. Not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "hack"))
+
+from kubernetes import client, config  # noqa: E402
+
+import localcluster  # noqa: E402
+from localstack import OperatorProcess, install_crd  # noqa: E402
+from sharded_operator import builders  # noqa: E402
+from sharded_operator.models import GROUP, LABEL_JOB, PLURAL, VERSION, ShardedTrainingJob  # noqa: E402
+from sharded_operator.settings import OperatorSettings  # noqa: E402
+
+PODS_PER_JOB = 9  # 8 training pods and the rendezvous store pod
+THREADS = 16
+CHECKPOINTS = (100, 250, 500, 1000)
+
+
+def job_body(name: str) -> dict:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ShardedTrainingJob", "metadata": {"name": name},
+        "spec": {"image": "trainer:bench", "nodes": 8, "resources": {"gpusPerNode": 1}, "trainer": {"steps": 10}},
+    }  # fmt: skip
+
+
+def raw_pods(name: str, namespace: str) -> list[dict]:
+    """The pods the operator creates for job `name` (attempt 1), without the owner reference: no job owns them."""
+    body = job_body(name)
+    body["metadata"].update(namespace=namespace, uid=f"raw-{name}")
+    body["status"] = {"attempt": 1}
+    job = ShardedTrainingJob.model_validate(body)
+    settings = OperatorSettings()
+    pods = [builders.build_pod(job, i, 1, settings) for i in range(8)] + [builders.build_store_pod(job, settings)]
+    for pod in pods:
+        pod["metadata"]["namespace"] = namespace
+    return pods
+
+
+class PodWatch:
+    """When each pod with a job's name label was first seen, and which pods run, from one watch of the cluster."""
+
+    def __init__(self, api: client.ApiClient):
+        self.core = client.CoreV1Api(api)
+        self.seen: dict[tuple[str, str], float] = {}
+        self.running: set[tuple[str, str]] = set()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> PodWatch:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        rv = self.core.list_pod_for_all_namespaces(label_selector=LABEL_JOB, limit=1).metadata.resource_version
+        while not self.stop.is_set():
+            resp = self.core.list_pod_for_all_namespaces(
+                label_selector=LABEL_JOB, watch=True, resource_version=rv, timeout_seconds=60,
+                allow_watch_bookmarks=True, _preload_content=False,
+            )  # fmt: skip
+            pending = b""
+            for chunk in resp.stream(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                now = time.monotonic()
+                for line in lines:
+                    event = json.loads(line)
+                    meta = event["object"]["metadata"]
+                    rv = meta.get("resourceVersion", rv)
+                    if event["type"] == "BOOKMARK":
+                        continue
+                    key = (meta["namespace"], meta["name"])
+                    with self.lock:
+                        if event["type"] == "DELETED":
+                            self.seen.pop(key, None)
+                            self.running.discard(key)
+                            continue
+                        self.seen.setdefault(key, now)
+                        if (event["object"].get("status") or {}).get("phase") == "Running":
+                            self.running.add(key)
+                        else:
+                            self.running.discard(key)
+
+    def count(self, namespace: str) -> tuple[int, int]:
+        with self.lock:
+            return (sum(ns == namespace for ns, _ in self.seen), sum(ns == namespace for ns, _ in self.running))
+
+    def times(self, namespace: str) -> dict[str, float]:
+        with self.lock:
+            return {name: t for (ns, name), t in self.seen.items() if ns == namespace}
+
+
+def wait(predicate, timeout: float, what: str, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"{what} not within {timeout:.0f}s")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def job_latencies(submitted: dict[str, float], seen: dict[str, float]) -> list[float]:
+    """Per job: submit -> the last of its pods seen (pods are named <job>-<index> and <job>-rdzv)."""
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for pod, t in seen.items():
+        job = pod.rsplit("-", 1)[0]
+        last[job], count[job] = max(last.get(job, 0.0), t), count.get(job, 0) + 1
+    return [last[j] - t0 for j, t0 in submitted.items() if count.get(j) == PODS_PER_JOB]
+
+
+def summary(arm: str, submitted: dict[str, float], seen: dict[str, float]) -> dict:
+    lat = job_latencies(submitted, seen)
+    span = max(seen.values()) - min(submitted.values())
+    out = {
+        "arm": arm, "jobs": len(submitted), "pods": len(seen), "seconds": round(span, 2),
+        "pods_per_s": round(len(seen) / span, 1),
+        "submit_to_all_pods_p50_s": round(percentile(lat, 0.5), 3),
+        "submit_to_all_pods_p99_s": round(percentile(lat, 0.99), 3),
+    }  # fmt: skip
+    print(json.dumps(out), flush=True)
+    return out
+
+
+class Bench:
+    def __init__(self, cluster: localcluster.LocalCluster, jobs: int, rate: float, steady: float):
+        self.cluster, self.jobs, self.rate, self.steady = cluster, jobs, rate, steady
+        conf = client.Configuration()
+        config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=conf)
+        conf.connection_pool_maxsize = THREADS * 2
+        self.api = client.ApiClient(conf)
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.watch = PodWatch(self.api).start()
+        self.pool = ThreadPoolExecutor(THREADS)
+        self.operator: OperatorProcess | None = None
+
+    # --- namespaces -------------------------------------------------------------------------------
+
+    def namespace(self, name: str) -> str:
+        self.core.create_namespace({"metadata": {"name": name}})
+        wait(lambda: self._has_sa(name), 60, f"namespace {name}'s default ServiceAccount", 0.2)
+        return name
+
+    def _has_sa(self, ns: str) -> bool:
+        try:
+            return bool(self.core.read_namespaced_service_account("default", ns))
+        except client.ApiException:
+            return False
+
+    def clear(self, ns: str) -> None:
+        """Delete the namespace and wait until every pod of it is gone (KWOK confirms deletions at once)."""
+        print(f"[bench] deleting namespace {ns}", flush=True)
+        self.core.delete_collection_namespaced_pod(ns, grace_period_seconds=0, label_selector=LABEL_JOB)
+        self.core.delete_namespace(ns)
+        wait(lambda: self.watch.count(ns)[0] == 0, 900, f"pods of {ns} gone", 2)
+
+    # --- arms -------------------------------------------------------------------------------------
+
+    def raw(self, ns: str, paced: bool) -> dict:
+        names = [f"j{i:04d}" for i in range(self.jobs)]
+        bodies = {n: raw_pods(n, ns) for n in names}
+        submitted: dict[str, float] = {}
+
+        def send(name: str) -> None:
+            for pod in bodies[name]:
+                self.core.create_namespaced_pod(ns, pod, _preload_content=False)
+
+        futures = []
+        start = time.monotonic()
+        for i, name in enumerate(names):
+            if paced:
+                time.sleep(max(0.0, start + i / self.rate - time.monotonic()))
+            submitted[name] = time.monotonic()
+            if paced:  # a job's pods at once, as a controller sends them
+                futures += [self.pool.submit(self.core.create_namespaced_pod, ns, pod, _preload_content=False)
+                            for pod in bodies[name]]  # fmt: skip
+            else:
+                futures.append(self.pool.submit(send, name))
+        for f in futures:
+            f.result()
+        wait(lambda: self.watch.count(ns)[0] >= self.jobs * PODS_PER_JOB, 900, "every raw pod seen", 0.2)
+        return summary("raw-paced" if paced else "raw-burst", submitted, self.watch.times(ns))
+
+    def create_jobs(self, ns: str, names: list[str], submitted: dict[str, float], paced: bool) -> None:
+        def send(name: str) -> None:
+            submitted[name] = time.monotonic()
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job_body(name))
+
+        start = time.monotonic()
+        futures = []
+        for i, name in enumerate(names):
+            if paced:
+                time.sleep(max(0.0, start + i / self.rate - time.monotonic()))
+            futures.append(self.pool.submit(send, name))
+        for f in futures:
+            f.result()
+
+    def ours(self, ns: str, paced: bool) -> dict:
+        names = [f"j{i:04d}" for i in range(self.jobs)]
+        submitted: dict[str, float] = {}
+        steady = []
+        marks = [c for c in CHECKPOINTS if c < self.jobs] + [self.jobs] if paced else [self.jobs]
+        done = 0
+        for mark in marks:
+            self.create_jobs(ns, names[done:mark], submitted, paced)
+            done = mark
+            wait(lambda m=mark: self.watch.count(ns)[0] >= m * PODS_PER_JOB, 900, "every pod seen", 0.2)
+            if paced:  # pods/s and latency are of the arrivals; the pauses for steady states are not counted
+                if mark == marks[-1]:
+                    result = summary("operator-paced", submitted, self.watch.times(ns))
+            else:
+                result = summary("operator-burst", submitted, self.watch.times(ns))
+            steady.append(self.steady_state(ns, mark))
+        result["steady"] = steady
+        result["reconcile_seconds"] = self.histogram()
+        return result
+
+    # --- the steady state -------------------------------------------------------------------------
+
+    def steady_state(self, ns: str, jobs: int) -> dict:
+        wait(lambda: self.watch.count(ns)[1] >= jobs * PODS_PER_JOB, 900, "every pod Running", 1)
+        wait(lambda: self._phases(ns).get("Running", 0) >= jobs, 900, "every job Running", 2)
+        time.sleep(10)  # the last status writes and events of the start
+        before_ops, before_api, before_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
+        time.sleep(self.steady)
+        after_ops, after_api, after_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
+        out = {
+            "jobs": jobs, "seconds": self.steady,
+            "operator_requests_per_s": round((after_ops - before_ops) / self.steady, 3),
+            "all_clients_requests_per_s": round((after_api - before_api) / self.steady, 2),
+            "operator_cpu_percent": round(100 * (after_cpu - before_cpu) / self.steady, 2),
+            "operator_rss_mb": round(self._op_rss() / 2**20, 1),
+        }  # fmt: skip
+        print(json.dumps(out), flush=True)
+        return out
+
+    def _phases(self, ns: str) -> dict[str, int]:
+        items = self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+        out: dict[str, int] = {}
+        for j in items:
+            phase = (j.get("status") or {}).get("phase", "")
+            out[phase] = out.get(phase, 0) + 1
+        return out
+
+    def _metrics(self, url: str) -> list[tuple[str, float]]:
+        import urllib.request
+
+        with urllib.request.urlopen(url, timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return [(s, float(v)) for s, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))]
+
+    def _op_requests(self) -> float:
+        assert self.operator
+        rows = self._metrics(f"{self.operator.url}/metrics")
+        return sum(v for s, v in rows if s.startswith("sharded_api_requests_total"))
+
+    def histogram(self) -> dict[str, float]:
+        assert self.operator
+        rows = self._metrics(f"{self.operator.url}/metrics")
+        buckets = [(s, v) for s, v in rows if s.startswith("sharded_reconcile_duration_seconds_bucket")]
+        return {s.split('le="')[1].rstrip('"}'): v for s, v in buckets}
+
+    def _api_requests(self) -> float:
+        raw = self.cluster.api("GET", "/metrics")["raw"]
+        lines = [line for line in raw.splitlines() if line.startswith("apiserver_request_total{")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    def _op_cpu(self) -> float:
+        assert self.operator and self.operator.proc
+        fields = Path(f"/proc/{self.operator.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _op_rss(self) -> float:
+        assert self.operator and self.operator.proc
+        for line in Path(f"/proc/{self.operator.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0.0
+
+
+def add_nodes(cluster: localcluster.LocalCluster, n: int) -> None:
+    print(f"[bench] adding {n} KWOK nodes of 8 GPUs", flush=True)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: cluster.add_gpu_node(f"gpu-node-{i}"), range(n)))
+
+    def ready() -> bool:
+        nodes = cluster.api("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
+        return sum(any(c["type"] == "Ready" and c["status"] == "True" for c in (x.get("status") or {}).get(
+            "conditions") or []) for x in nodes) >= n  # fmt: skip
+
+    wait(ready, 600, f"{n} nodes Ready", 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--jobs", type=int, default=1000)
+    ap.add_argument("--rate", type=float, default=5.0, help="paced arrivals, jobs per second")
+    ap.add_argument("--steady", type=float, default=60.0, help="seconds of each steady-state measurement")
+    ap.add_argument("--arms", default="raw-burst,operator-burst,operator-paced,raw-paced")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    results: dict = {"command": " ".join(["bench/operator_scale.py", *(argv or sys.argv[1:])]), "nodes": args.nodes,
+                     "jobs": args.jobs, "rate": args.rate, "pods_per_job": PODS_PER_JOB, "cpus": os.cpu_count(),
+                     "arms": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
+        workdir = Path(tmp)
+        cluster = localcluster.LocalCluster(workdir=workdir, bin_dir=localcluster.binaries_dir(), gpu_nodes=0)
+        cluster.start()
+        try:
+            install_crd(cluster.kubeconfig)
+            add_nodes(cluster, args.nodes)
+            bench = Bench(cluster, args.jobs, args.rate, args.steady)
+            for i, arm in enumerate(arms):
+                print(f"[bench] arm {arm}", flush=True)
+                ns = bench.namespace(f"{arm}-{i}")
+                if arm.startswith("raw"):
+                    results["arms"][arm] = bench.raw(ns, paced=arm.endswith("paced"))
+                else:
+                    bench.operator = OperatorProcess(
+                        cluster.kubeconfig, workdir / f"operator-{arm}.log", RESYNC_SECONDS="60"
+                    ).start()  # fmt: skip
+                    try:
+                        results["arms"][arm] = bench.ours(ns, paced=arm.endswith("paced"))
+                    finally:
+                        bench.operator.stop()
+                        bench.operator = None
+                bench.clear(ns)
+                if args.out:  # what has been measured survives a later arm's failure
+                    args.out.write_text(json.dumps(results, indent=2) + "\n")
+        finally:
+            cluster.stop()
+    burst = results["arms"]
+    if "raw-burst" in burst and "operator-burst" in burst:
+        ratio = burst["operator-burst"]["pods_per_s"] / burst["raw-burst"]["pods_per_s"]
+        results["burst_pods_per_s_ratio"] = round(ratio, 3)
+        print(f"[bench] burst pods/s, operator / raw: {ratio:.3f}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -89,7 +91,27 @@ class PodWatch:
         return self
 
     def _run(self) -> None:
-        rv = self.core.list_pod_for_all_namespaces(label_selector=LABEL_JOB, limit=1).metadata.resource_version
+        rv = None
+        while not self.stop.is_set():
+            try:
+                rv = self._watch(rv)
+            except Exception as e:  # the stream broke (or its version expired): list again, from now
+                if self.stop.is_set():
+                    return
+                print(f"[bench] pod watch restarts: {e!r}", flush=True)
+                rv = None
+                time.sleep(0.5)
+
+    def _watch(self, rv: str | None) -> str:
+        if rv is None:  # pods that exist now are seen now
+            listed = self.core.list_pod_for_all_namespaces(label_selector=LABEL_JOB)
+            now = time.monotonic()
+            with self.lock:
+                self.seen = {(p.metadata.namespace, p.metadata.name): self.seen.get(
+                    (p.metadata.namespace, p.metadata.name), now) for p in listed.items}  # fmt: skip
+                self.running = {(p.metadata.namespace, p.metadata.name) for p in listed.items
+                                if p.status.phase == "Running"}  # fmt: skip
+            rv = listed.metadata.resource_version
         while not self.stop.is_set():
             resp = self.core.list_pod_for_all_namespaces(
                 label_selector=LABEL_JOB, watch=True, resource_version=rv, timeout_seconds=60,
@@ -117,6 +139,7 @@ class PodWatch:
                             self.running.add(key)
                         else:
                             self.running.discard(key)
+        return rv
 
     def count(self, namespace: str) -> tuple[int, int]:
         with self.lock:
@@ -125,6 +148,19 @@ class PodWatch:
     def times(self, namespace: str) -> dict[str, float]:
         with self.lock:
             return {name: t for (ns, name), t in self.seen.items() if ns == namespace}
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(values) - idle) / tick, sum(values) / tick
+
+
+def process_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait(predicate, timeout: float, what: str, every: float = 1.0):
@@ -151,7 +187,7 @@ def job_latencies(submitted: dict[str, float], seen: dict[str, float]) -> list[f
     return [last[j] - t0 for j, t0 in submitted.items() if count.get(j) == PODS_PER_JOB]
 
 
-def summary(arm: str, submitted: dict[str, float], seen: dict[str, float]) -> dict:
+def summary(arm: str, submitted: dict[str, float], seen: dict[str, float], cpu: dict | None = None) -> dict:
     lat = job_latencies(submitted, seen)
     span = max(seen.values()) - min(submitted.values())
     out = {
@@ -159,14 +195,38 @@ def summary(arm: str, submitted: dict[str, float], seen: dict[str, float]) -> di
         "pods_per_s": round(len(seen) / span, 1),
         "submit_to_all_pods_p50_s": round(percentile(lat, 0.5), 3),
         "submit_to_all_pods_p99_s": round(percentile(lat, 0.99), 3),
+        "cpu_seconds": cpu or {},
     }  # fmt: skip
     print(json.dumps(out), flush=True)
     return out
 
 
+class CpuMeter:
+    """CPU seconds used by each process of the stack (and the machine's busy share) between start and read:
+    where the cores went during an arm."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.start = self._sample()
+
+    def _sample(self) -> dict[str, float]:
+        out = {name: process_cpu(pid) for name, pid in self.pids.items()}
+        out["machine_busy"], out["machine_total"] = machine_busy()
+        return out
+
+    def read(self) -> dict[str, float]:
+        now = self._sample()
+        used = {name: round(now[name] - self.start[name], 1) for name in self.pids}
+        busy = now["machine_busy"] - self.start["machine_busy"]
+        used["machine_busy_percent"] = round(100 * busy / (now["machine_total"] - self.start["machine_total"]), 1)
+        return used
+
+
 class Bench:
-    def __init__(self, cluster: localcluster.LocalCluster, jobs: int, rate: float, steady: float):
+    def __init__(self, cluster: localcluster.LocalCluster, jobs: int, rate: float, steady: float,
+                 profile: Path | None = None):  # fmt: skip
         self.cluster, self.jobs, self.rate, self.steady = cluster, jobs, rate, steady
+        self.profile, self.profile_tool = profile, shutil.which("py-spy") or "py-spy"
         conf = client.Configuration()
         config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=conf)
         conf.connection_pool_maxsize = THREADS * 2
@@ -176,6 +236,13 @@ class Bench:
         self.watch = PodWatch(self.api).start()
         self.pool = ThreadPoolExecutor(THREADS)
         self.operator: OperatorProcess | None = None
+
+    def meter(self) -> CpuMeter:
+        pids = {name: proc.pid for name, proc in self.cluster.procs.items()}
+        pids["bench"] = os.getpid()
+        if self.operator and self.operator.proc:
+            pids["operator"] = self.operator.proc.pid
+        return CpuMeter(pids)
 
     # --- namespaces -------------------------------------------------------------------------------
 
@@ -209,6 +276,7 @@ class Bench:
                 self.core.create_namespaced_pod(ns, pod, _preload_content=False)
 
         futures = []
+        meter = self.meter()
         start = time.monotonic()
         for i, name in enumerate(names):
             if paced:
@@ -222,7 +290,7 @@ class Bench:
         for f in futures:
             f.result()
         wait(lambda: self.watch.count(ns)[0] >= self.jobs * PODS_PER_JOB, 900, "every raw pod seen", 0.2)
-        return summary("raw-paced" if paced else "raw-burst", submitted, self.watch.times(ns))
+        return summary("raw-paced" if paced else "raw-burst", submitted, self.watch.times(ns), meter.read())
 
     def create_jobs(self, ns: str, names: list[str], submitted: dict[str, float], paced: bool) -> None:
         def send(name: str) -> None:
@@ -245,14 +313,14 @@ class Bench:
         marks = [c for c in CHECKPOINTS if c < self.jobs] + [self.jobs] if paced else [self.jobs]
         done = 0
         for mark in marks:
+            meter = self.meter()
             self.create_jobs(ns, names[done:mark], submitted, paced)
             done = mark
             wait(lambda m=mark: self.watch.count(ns)[0] >= m * PODS_PER_JOB, 900, "every pod seen", 0.2)
-            if paced:  # pods/s and latency are of the arrivals; the pauses for steady states are not counted
-                if mark == marks[-1]:
-                    result = summary("operator-paced", submitted, self.watch.times(ns))
-            else:
-                result = summary("operator-burst", submitted, self.watch.times(ns))
+            cpu = meter.read()
+            # Paced: the arrivals pause for each steady state; the span of all arrivals includes the pauses,
+            # so pods/s is not comparable there (latency is).
+            result = summary(f"operator-{'paced' if paced else 'burst'}", submitted, self.watch.times(ns), cpu)
             steady.append(self.steady_state(ns, mark))
         result["steady"] = steady
         result["reconcile_seconds"] = self.histogram()
@@ -265,7 +333,12 @@ class Bench:
         wait(lambda: self._phases(ns).get("Running", 0) >= jobs, 900, "every job Running", 2)
         time.sleep(10)  # the last status writes and events of the start
         before_ops, before_api, before_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
-        time.sleep(self.steady)
+        if self.profile and self.operator and self.operator.proc:  # where the operator's CPU goes at rest
+            out = self.profile / f"operator-steady-{jobs}.txt"
+            subprocess.run([self.profile_tool, "record", "-p", str(self.operator.proc.pid), "-d", str(int(self.steady)),
+                            "-f", "raw", "-o", str(out)], check=False, capture_output=True)  # fmt: skip
+        else:
+            time.sleep(self.steady)
         after_ops, after_api, after_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
         out = {
             "jobs": jobs, "seconds": self.steady,
@@ -310,8 +383,7 @@ class Bench:
 
     def _op_cpu(self) -> float:
         assert self.operator and self.operator.proc
-        fields = Path(f"/proc/{self.operator.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu(self.operator.proc.pid)
 
     def _op_rss(self) -> float:
         assert self.operator and self.operator.proc
@@ -342,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady", type=float, default=60.0, help="seconds of each steady-state measurement")
     ap.add_argument("--arms", default="raw-burst,operator-burst,operator-paced,raw-paced")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--profile", type=Path, help="a folder: py-spy (on PATH) samples the operator in each steady state")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
     results: dict = {"command": " ".join(["bench/operator_scale.py", *(argv or sys.argv[1:])]), "nodes": args.nodes,
@@ -354,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             install_crd(cluster.kubeconfig)
             add_nodes(cluster, args.nodes)
-            bench = Bench(cluster, args.jobs, args.rate, args.steady)
+            bench = Bench(cluster, args.jobs, args.rate, args.steady, args.profile)
             for i, arm in enumerate(arms):
                 print(f"[bench] arm {arm}", flush=True)
                 ns = bench.namespace(f"{arm}-{i}")

@@ -106,11 +106,10 @@ def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
 # --- the loops ---------------------------------------------------------------------------------------
 
 
-async def work(ctx: Context, queue: WorkQueue, index: kopf.Memo, pool: ThreadPoolExecutor,
-               failures: dict[JobKey, int], logger: logging.Logger) -> None:  # fmt: skip
+async def work(ctx: Context, queue: WorkQueue, index: kopf.Memo, pool: ThreadPoolExecutor, looks: Looks,
+               logger: logging.Logger) -> None:  # fmt: skip
     """One worker: take a marked job, reconcile it from a snapshot, schedule its next look if the clock
-    can change its decision. A reconcile that raised is retried with backoff (its events retry it too);
-    `failures` (failures in a row per job) is shared by the workers."""
+    can change its decision. A reconcile that raised is retried with backoff (its events retry it too)."""
     loop = asyncio.get_running_loop()
     await ctx.indexed.wait()
     while True:
@@ -119,21 +118,63 @@ async def work(ctx: Context, queue: WorkQueue, index: kopf.Memo, pool: ThreadPoo
             snap = snapshot(ctx, index, key) if ctx.leadership.leading(_now()) else None
             if snap is None:
                 continue
+            if looks.unchanged(key, snap, _now()):
+                # Its timer may have fired a little early (the queue's clock is monotonic, due times are
+                # the wall's): keep it armed.
+                if (due := looks.due(key)) is not None:
+                    queue.add_after(key, max((due - _now()).total_seconds(), 0.05))
+                continue
             out = await loop.run_in_executor(pool, reconcile, ctx, snap, logger)
-            failures.pop(key, None)
+            looks.done(key, snap, out.due if out else None)
             if out is not None and out.due is not None:
                 queue.add_after(key, (out.due - _now()).total_seconds())
         except Exception:  # one job's trouble must not stop the others
-            failures[key] = failures.get(key, 0) + 1
-            delay = min(RETRY_SECONDS[0] * 2 ** (failures[key] - 1), RETRY_SECONDS[1])
+            delay = looks.failed(key)
             logger.exception("reconcile of %s/%s failed; again in %.0fs", *key, delay)
             queue.add_after(key, delay)
         finally:
             queue.done(key)
 
 
-async def resync(ctx: Context, queue: WorkQueue, index: kopf.Memo, interval: float) -> None:
-    """The safety net: every unfinished job is looked at every `interval` seconds, whatever the events."""
+class Looks:
+    """What each job's last reconcile saw, so a look at an unchanged job before its due time (a pod event
+    that changes nothing a decision reads: a label, a heartbeat) costs a comparison, not a reconcile; and
+    each job's failures in a row, for the backoff. The resync forces a real look."""
+
+    def __init__(self) -> None:
+        self.last: dict[JobKey, tuple[Snapshot, dt.datetime | None]] = {}
+        self.forced: set[JobKey] = set()
+        self.failures: dict[JobKey, int] = {}
+
+    def unchanged(self, key: JobKey, snap: Snapshot, now: dt.datetime) -> bool:
+        if key in self.forced:
+            self.forced.discard(key)
+            return False
+        last = self.last.get(key)
+        return last is not None and last[0] == snap and (last[1] is None or now < last[1])
+
+    def due(self, key: JobKey) -> dt.datetime | None:
+        last = self.last.get(key)
+        return last[1] if last else None
+
+    def done(self, key: JobKey, snap: Snapshot, due: dt.datetime | None) -> None:
+        self.failures.pop(key, None)
+        self.last[key] = (snap, due)
+
+    def failed(self, key: JobKey) -> float:
+        """Seconds until the retry: doubling per failure in a row, up to the last of RETRY_SECONDS."""
+        self.last.pop(key, None)
+        self.failures[key] = n = self.failures.get(key, 0) + 1
+        return min(RETRY_SECONDS[0] * 2 ** (n - 1), RETRY_SECONDS[1])
+
+    def forget(self, key: JobKey) -> None:
+        self.last.pop(key, None)
+        self.forced.discard(key)
+        self.failures.pop(key, None)
+
+
+async def resync(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks, interval: float) -> None:
+    """The safety net: every unfinished job is reconciled every `interval` seconds, whatever the events."""
     while True:
         await asyncio.sleep(interval)
         ctx.health.beat("resync")
@@ -141,10 +182,11 @@ async def resync(ctx: Context, queue: WorkQueue, index: kopf.Memo, interval: flo
             continue
         for key, store in list(index.jobs.items()):
             if any((b.get("status") or {}).get("phase") not in FINISHED for b in store):
+                looks.forced.add(key)
                 queue.add(key)
 
 
-async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, logger: logging.Logger) -> None:
+async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks, logger: logging.Logger) -> None:
     """Acquire or renew the Lease every few seconds; on becoming the holder, look at every job."""
     cfg, loop = ctx.settings, asyncio.get_running_loop()
     while True:
@@ -164,6 +206,7 @@ async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, logger: loggin
             # Another replica wrote meanwhile, or writes from now on: only what the watch shows is believed.
             ctx.recent.clear()
             ctx.seen.clear()
+            looks.last.clear()
             if leading:
                 for key in list(index.jobs):
                     queue.add(key)
@@ -201,20 +244,21 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     memo.node_ready = {}
     ctx.metrics.watch_queue(queue)
     pool = ThreadPoolExecutor(cfg.reconcile_workers, thread_name_prefix="reconcile")
-    failures: dict[JobKey, int] = {}
+    ctx.creators = ThreadPoolExecutor(2 * cfg.reconcile_workers, thread_name_prefix="create")
+    memo.looks = looks = Looks()
     desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: _one(jobs.get((ns, name))))
     memo.runners = [
         await web.start(web.metrics_app(ctx.metrics, ctx.health), cfg.http_host, cfg.http_port),
         await web.start(web.progress_app(desk.take), cfg.http_host, cfg.progress_port),
     ]
     memo.tasks = [
-        asyncio.create_task(resync(ctx, queue, memo.index, cfg.resync_seconds)),
+        asyncio.create_task(resync(ctx, queue, memo.index, looks, cfg.resync_seconds)),
         asyncio.create_task(flush_progress(desk, ctx)),
-        *(asyncio.create_task(work(ctx, queue, memo.index, pool, failures, logger))
+        *(asyncio.create_task(work(ctx, queue, memo.index, pool, looks, logger))
           for _ in range(cfg.reconcile_workers)),
     ]
     if cfg.lease_name:
-        memo.tasks.append(asyncio.create_task(elect(ctx, queue, memo.index, logger)))
+        memo.tasks.append(asyncio.create_task(elect(ctx, queue, memo.index, looks, logger)))
     logger.info("serving /metrics and /healthz on %s:%s, /progress on port %s", cfg.http_host, cfg.http_port,
                 cfg.progress_port)  # fmt: skip
 
@@ -247,6 +291,7 @@ async def job_event(type: str, body: kopf.Body, name: str, namespace: str, uid: 
     if type == "DELETED":
         ctx.forget(uid, namespace, name)
         memo.queue.forget((namespace, name))
+        memo.looks.forget((namespace, name))
         return
     digest = _digest(body)
     if ctx.seen.get(uid) == digest or not ctx.leadership.leading(_now()):

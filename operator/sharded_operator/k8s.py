@@ -53,6 +53,15 @@ def resource_of(url: str) -> str:
     return f"{rest[0]}/{rest[2]}" if len(rest) > 2 else rest[0]
 
 
+def _drained(response: Any) -> bytes:
+    """The body of a response read without the client's models (`_preload_content=False`), its connection
+    back in the pool."""
+    try:
+        return response.data
+    finally:
+        response.release_conn()
+
+
 class Kube:
     """Typed access to the objects a job owns. Plain dicts in, plain dicts out. `on_request(method, resource)`
     is told of every request sent (the operator counts them in its metrics)."""
@@ -149,8 +158,7 @@ class Kube:
         kind = obj["kind"]
         try:
             if kind == "Pod":  # read as JSON: the client's model objects cost more CPU than the request
-                resp = self.core.create_namespaced_pod(namespace, obj, _preload_content=False)
-                return json.loads(resp.data)
+                return json.loads(_drained(self.core.create_namespaced_pod(namespace, obj, _preload_content=False)))
             if kind == "Service":
                 self.core.create_namespaced_service(namespace, obj)
             elif kind == "ConfigMap":
@@ -315,7 +323,7 @@ class Kube:
                 "namespace": meta["namespace"], "uid": meta["uid"],
             },
         }  # fmt: skip
-        self.events.create_namespaced_event(meta["namespace"], body)
+        _drained(self.events.create_namespaced_event(meta["namespace"], body, _preload_content=False))
 
 
 class MissingAPI(RuntimeError):

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ class Context:
     leadership: Leadership = field(default_factory=lambda: Leadership("", enabled=False))
     health: Health = field(default_factory=lambda: Health(float("inf")))
     indexed: asyncio.Event | None = None  # set once every watched kind has had its initial listing
+    creators: ThreadPoolExecutor | None = None  # sends a batch of pod creates at once (None: one by one)
 
     def pod_gone(self, namespace: str, job: str, pod: dict[str, Any]) -> None:
         """Keep a deleted training pod's last state (why it went) until a reconcile of its job has seen it."""
@@ -155,11 +157,11 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
                     store_pod = adopt(builders.build_store_pod(decided, ctx.settings), body)
                     if created := ctx.kube.create(namespace, store_pod):
                         ctx.recent.pod_created(key, PodView.from_pod(created))
-                for index in [] if held else plan.create:
-                    pod = adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
-                    if created := ctx.kube.create(namespace, pod):
-                        ctx.recent.pod_created(key, PodView.from_pod(created))
-                        ctx.metrics.pods_created.inc()
+                pods = [adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
+                        for index in ([] if held else plan.create)]  # fmt: skip
+                for created in _create_pods(ctx, namespace, pods):
+                    ctx.recent.pod_created(key, PodView.from_pod(created))
+                    ctx.metrics.pods_created.inc()
             except MissingAPI as e:
                 return _invalid(ctx, body, str(e), logger)
             except Refused as e:  # retried at the next reconcile: a quota may free up, a policy may change
@@ -207,6 +209,29 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
             ctx.forget(uid, namespace, name)
             return None
         return Outcome(plan.status, due)
+
+
+def _create_pods(ctx: Context, namespace: str, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Create the pods in batches of 1, 2, 4, 8... sent at once (the slow start of Kubernetes' own Job and
+    ReplicaSet controllers): a large gang is created in a few round trips, and a refusal (a quota, a
+    policy) costs one request, not one per pod. Returns those created (not those that existed)."""
+    created: list[dict[str, Any]] = []
+    batch, rest = 1, list(pods)
+    while rest:
+        sent, rest = rest[:batch], rest[batch:]
+        if ctx.creators is None or len(sent) == 1:
+            results = [ctx.kube.create(namespace, pod) for pod in sent]
+        else:
+            futures = [ctx.creators.submit(ctx.kube.create, namespace, pod) for pod in sent]
+            wait(futures)
+            # Every answer is in; the first refusal (or error) is raised after those created are counted.
+            created += [r for f in futures if not f.exception() and (r := f.result())]
+            if errors := [f.exception() for f in futures if f.exception()]:
+                raise errors[0]
+            results = []
+        created += [r for r in results if r]
+        batch *= 2
+    return created
 
 
 def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]) -> str | None:

@@ -60,8 +60,8 @@ class OperatorSettings(BaseModel):
         description="This replica's name in the Lease.",
     )  # fmt: skip
     resync_seconds: float = Field(
-        60.0, gt=0,
-        description="How often every unfinished job is looked at without events: a safety net, as every event and "
+        300.0, gt=0,
+        description="How often every unfinished job is reconciled without events: a safety net, as every event and "
         "every deadline or timeout a decision depends on schedules its own look.",
     )  # fmt: skip
     reconcile_workers: int = Field(

@@ -333,6 +333,7 @@ class Bench:
         wait(lambda: self._phases(ns).get("Running", 0) >= jobs, 900, "every job Running", 2)
         time.sleep(10)  # the last status writes and events of the start
         before_ops, before_api, before_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
+        before_counts = self._op_counts()
         if self.profile and self.operator and self.operator.proc:  # where the operator's CPU goes at rest
             out = self.profile / f"operator-steady-{jobs}.txt"
             subprocess.run([self.profile_tool, "record", "-p", str(self.operator.proc.pid), "-d", str(int(self.steady)),
@@ -340,12 +341,14 @@ class Bench:
         else:
             time.sleep(self.steady)
         after_ops, after_api, after_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
+        counts = {k: round((v - before_counts.get(k, 0)) / self.steady, 2) for k, v in self._op_counts().items()}
         out = {
             "jobs": jobs, "seconds": self.steady,
             "operator_requests_per_s": round((after_ops - before_ops) / self.steady, 3),
             "all_clients_requests_per_s": round((after_api - before_api) / self.steady, 2),
             "operator_cpu_percent": round(100 * (after_cpu - before_cpu) / self.steady, 2),
             "operator_rss_mb": round(self._op_rss() / 2**20, 1),
+            "operator_per_s": counts,  # reconciles, skipped looks and watch events handled, per second
         }  # fmt: skip
         print(json.dumps(out), flush=True)
         return out
@@ -369,6 +372,13 @@ class Bench:
         assert self.operator
         rows = self._metrics(f"{self.operator.url}/metrics")
         return sum(v for s, v in rows if s.startswith("sharded_api_requests_total"))
+
+    def _op_counts(self) -> dict[str, float]:
+        assert self.operator
+        names = {"sharded_reconcile_duration_seconds_count": "reconciles", "sharded_reconcile_skipped_total": "skipped",
+                 'sharded_watch_events_total{kind="pods"}': "pod_events", 'sharded_watch_events_total{kind="nodes"}':
+                 "node_events", 'sharded_watch_events_total{kind="jobs"}': "job_events"}  # fmt: skip
+        return {names[s]: v for s, v in self._metrics(f"{self.operator.url}/metrics") if s in names}
 
     def histogram(self) -> dict[str, float]:
         assert self.operator

@@ -119,6 +119,7 @@ async def work(ctx: Context, queue: WorkQueue, index: kopf.Memo, pool: ThreadPoo
             if snap is None:
                 continue
             if looks.unchanged(key, snap, _now()):
+                ctx.metrics.looks_skipped.inc()
                 # Its timer may have fired a little early (the queue's clock is monotonic, due times are
                 # the wall's): keep it armed.
                 if (due := looks.due(key)) is not None:
@@ -286,6 +287,7 @@ async def job_event(type: str, body: kopf.Body, name: str, namespace: str, uid: 
                     **_: Any) -> None:  # fmt: skip
     ctx: Context = memo.ctx
     ctx.indexed.set()  # kopf runs handlers only once every index is listed
+    ctx.metrics.watch_events.labels("jobs").inc()
     if ctx.settings.ignores(namespace):
         return
     if type == "DELETED":
@@ -305,6 +307,7 @@ async def pod_event(type: str, body: kopf.Body, labels: kopf.Labels, namespace: 
                     **_: Any) -> None:  # fmt: skip
     ctx: Context = memo.ctx
     ctx.indexed.set()
+    ctx.metrics.watch_events.labels("pods").inc()
     if ctx.settings.ignores(namespace):
         return
     if type == "DELETED":  # its last state says why it went; the index forgets it
@@ -320,6 +323,7 @@ async def node_event(type: str, name: str, body: kopf.Body, memo: kopf.Memo, nod
     nothing a decision reads and cost nothing more."""
     ctx: Context = memo.ctx
     ctx.indexed.set()
+    ctx.metrics.watch_events.labels("nodes").inc()
     view = None if type == "DELETED" else NodeView.from_node(dict(body))
     if name in memo.node_ready and memo.node_ready.get(name) == view:
         return

@@ -109,7 +109,7 @@ class PodView:
 
 @dataclass(frozen=True)
 class NodeView:
-    """A node's readiness: `since` is when its Ready condition last changed (RFC 3339)."""
+    """A node's readiness: `since` is when a node not Ready stopped being Ready (RFC 3339)."""
 
     ready: bool = True
     since: str | None = None
@@ -119,7 +119,9 @@ class NodeView:
         ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
         if ready is None:
             return cls(ready=False)
-        return cls(ready=ready.get("status") == "True", since=_normal(ready.get("lastTransitionTime")))
+        if ready.get("status") == "True":  # when it became Ready decides nothing: a heartbeat that moves it is no news
+            return cls(ready=True)
+        return cls(ready=False, since=_normal(ready.get("lastTransitionTime")))
 
 
 @dataclass(frozen=True)

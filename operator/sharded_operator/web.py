@@ -35,6 +35,14 @@ class Metrics:
             "sharded_api_requests", "Requests the operator sent to the API server (watches apart), by method and "
             "resource", ["method", "resource"], registry=self.registry,
         )  # fmt: skip
+        self.watch_events = Counter(
+            "sharded_watch_events", "Watch events handled, by kind (jobs, pods, nodes)", ["kind"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.looks_skipped = Counter(
+            "sharded_reconcile_skipped", "Looks at a job whose snapshot had not changed since its last reconcile",
+            registry=self.registry,
+        )  # fmt: skip
         self.pods_created = Counter("sharded_pods_created_total", "Pods created", registry=self.registry)
         self.reconcile_seconds = Histogram(
             "sharded_reconcile_duration_seconds",

@@ -103,3 +103,15 @@ def test_a_job_that_only_events_can_change_is_never_polled(builder, obs):
     job = builder.model()
     plan = decide(job, obs, NOW, GRACE)
     assert next_due(job, plan.status, obs, NOW) is None
+
+
+def node(status: str, moved: str) -> dict:
+    return {"status": {"conditions": [{"type": "Ready", "status": status, "lastTransitionTime": moved,
+                                       "lastHeartbeatTime": moved}]}}  # fmt: skip
+
+
+def test_a_heartbeat_of_a_ready_node_is_no_news_but_losing_readiness_is():
+    """A node agent that moves lastTransitionTime on every heartbeat must not wake the node's jobs."""
+    assert NodeView.from_node(node("True", ago(10))) == NodeView.from_node(node("True", ago(0))) == NodeView(True)
+    lost = NodeView.from_node(node("Unknown", ago(30)))
+    assert lost == NodeView(False, ago(30)) and lost != NodeView.from_node(node("Unknown", ago(0)))

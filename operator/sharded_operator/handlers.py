@@ -272,10 +272,19 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         await runner.cleanup()
 
 
-def _digest(body: kopf.Body) -> str:
-    """The job as reconcile sees it: without its version and the fields progress reports write."""
+# What of a progress report a decision reads without a timer: a new trainer process (an in-place recovery
+# ends when one reports) and the size of its rendezvous round (status.currentNodes). The step, loss and
+# report times change every write and are read by timers (hang) or not at all.
+PROGRESS_DECIDES = ("attempt", "run", "nodes")
+
+
+def _digest(body: kopf.Body | dict[str, Any]) -> str:
+    """The job as reconcile sees it: without its version and what progress reports write but no decision
+    reads."""
     meta = {k: v for k, v in body.get("metadata", {}).items() if k not in ("resourceVersion", "managedFields")}
     status = {k: v for k, v in (body.get("status") or {}).items() if k not in REPORT_FIELDS}
+    progress = (body.get("status") or {}).get("progress") or {}
+    status["progress"] = {k: progress.get(k) for k in PROGRESS_DECIDES}
     return hashlib.sha256(json.dumps([meta, body.get("spec"), status], sort_keys=True).encode()).hexdigest()
 
 

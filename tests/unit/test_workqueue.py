@@ -121,3 +121,17 @@ def test_the_status_written_overrides_an_older_watched_one_and_yields_to_the_wat
     shown = {"phase": "Restarting", "attempt": 2, "progress": {"step": 10}}
     assert recent.status("uid", shown, owned) == shown
     assert recent.status("uid", old, owned) == old  # caught up once: the overlay is gone
+
+
+def test_a_progress_write_wakes_reconcile_only_when_a_decision_reads_what_it_changed():
+    from sharded_operator.handlers import _digest
+
+    def job(**progress) -> dict:
+        report = {"step": 10, "loss": 2.5, "attempt": 1, "run": "r1", "nodes": 2, "observedAt": "t0", **progress}
+        return {"metadata": {"name": "j", "resourceVersion": "1"}, "spec": {"nodes": 2},
+                "status": {"phase": "Running", "progress": report}}  # fmt: skip
+
+    base = _digest(job())
+    assert _digest(job(step=11, loss=2.4, observedAt="t1")) == base  # a step: the hang timer reads it
+    assert _digest(job(run="r2")) != base  # a new trainer process: an in-place recovery may be over
+    assert _digest(job(nodes=3)) != base  # an elastic round of another size: status.currentNodes

@@ -273,6 +273,18 @@ class Bench:
         list(self.pool.map(delete, names))
         self.core.delete_namespace(ns)
         wait(lambda: self.watch.count(ns)[0] == 0, 900, f"pods of {ns} gone", 2)
+        # Its jobs too: an operator started for the next arm must not find jobs that lost their pods (it
+        # would restart them, and be refused, in a namespace being deleted).
+        wait(lambda: not self._namespace_exists(ns), 1800, f"namespace {ns} gone", 2)
+
+    def _namespace_exists(self, ns: str) -> bool:
+        try:
+            self.core.read_namespace(ns)
+            return True
+        except client.ApiException as e:
+            if e.status == 404:
+                return False
+            raise
 
     # --- arms -------------------------------------------------------------------------------------
 

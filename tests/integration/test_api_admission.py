@@ -100,34 +100,38 @@ def test_short_name_and_printer_columns(cluster, crd_installed, custom, namespac
     assert out.splitlines()[1].split()[0] == "quickstart"
 
 
+def edit(custom, namespace: str, name: str, changes: dict) -> dict:
+    """Replace the job with `changes` applied to it as it is now: an operator writing its status in between
+    (a new resourceVersion, 409) is read again; admission's own refusals are raised."""
+    for _ in range(20):
+        current = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        try:
+            body = mutate(current, changes)
+            return custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    raise AssertionError(f"{name} kept changing under 20 replaces")
+
+
 def test_nodes_change_only_while_suspended(custom, crd_installed, namespace):
-    created = create(custom, namespace, load_example())
+    create(custom, namespace, load_example())
     with pytest.raises(ApiException) as exc:
-        custom.replace_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(created, {"spec.nodes": 3})
-        )
+        edit(custom, namespace, "quickstart", {"spec.nodes": 3})
     assert "nodes can change only while the job is suspended" in json.loads(exc.value.body)["message"]
-    suspended = custom.replace_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(created, {"spec.runPolicy": {"suspend": True}})
-    )
-    resized = custom.replace_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(suspended, {"spec.nodes": 3})
-    )
+    edit(custom, namespace, "quickstart", {"spec.runPolicy": {"suspend": True}})
+    resized = edit(custom, namespace, "quickstart", {"spec.nodes": 3})
     assert resized["spec"]["nodes"] == 3
     # An elastic job resizes while it runs, within its bounds (the spec's own rule); taking elastic away at the
     # same time is a fixed-size change and refused.
     elastic = {"spec.elastic": {"minNodes": 1, "maxNodes": 4}, "spec.runPolicy": {"suspend": False}, "spec.nodes": 2}
-    running = custom.replace_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(resized, elastic)
-    )
-    grown = custom.replace_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(running, {"spec.nodes": 4})
-    )
+    edit(custom, namespace, "quickstart", elastic)
+    grown = edit(custom, namespace, "quickstart", {"spec.nodes": 4})
     assert grown["spec"]["nodes"] == 4
     for bad, message in [
         ({"spec.nodes": 5}, "must lie between elastic.minNodes and elastic.maxNodes"),
         ({"spec.nodes": 3, "spec.elastic": DELETE}, "nodes can change only while the job is suspended"),
     ]:
         with pytest.raises(ApiException) as exc:
-            custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "quickstart", mutate(grown, bad))
+            edit(custom, namespace, "quickstart", bad)
         assert message in json.loads(exc.value.body)["message"]

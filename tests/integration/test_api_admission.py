@@ -56,18 +56,16 @@ def test_malformed_job_reports_every_problem_at_once(custom, crd_installed, name
     ids=["strategy", "procs-per-node", "checkpoint-claim"],
 )
 def test_fields_that_define_the_run_are_immutable(custom, crd_installed, namespace, changes, field):
-    created = create(custom, namespace, load_example())
-    updated = mutate(created, changes)
+    create(custom, namespace, load_example())
     with pytest.raises(ApiException) as exc:
-        custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "quickstart", updated)
+        edit(custom, namespace, "quickstart", changes)
     message = json.loads(exc.value.body)["message"]
     assert field in message and "immutable" in message, message
 
 
 def test_mutable_fields_can_change(custom, crd_installed, namespace):
-    created = create(custom, namespace, load_example())
-    updated = mutate(created, {"spec.runPolicy": {"suspend": True}, "spec.trainer.steps": 80})
-    after = custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "quickstart", updated)
+    create(custom, namespace, load_example())
+    after = edit(custom, namespace, "quickstart", {"spec.runPolicy": {"suspend": True}, "spec.trainer.steps": 80})
     assert after["spec"]["runPolicy"]["suspend"] is True
 
 

@@ -28,7 +28,7 @@ import yaml
 from sharded_trainer.checkpoint import CheckpointManager
 from sharded_trainer.config import TrainerConfig
 from sharded_trainer.data import ShardedLoader, TokenSource
-from sharded_trainer.model import build_model
+from sharded_trainer.model import preset_network
 from sharded_trainer.process_group import init_distributed
 from sharded_trainer.strategies import build_strategy
 
@@ -169,11 +169,11 @@ def main() -> None:
 
     cfg = config(a)
     env = init_distributed("nccl")
-    model = build_model(cfg)
-    fpt, nparams = model.args.flops_per_token(cfg.seq_len), sum(p.numel() for p in model.parameters())
-    strategy = build_strategy(model, cfg, env)
+    net = preset_network(cfg)
+    fpt, nparams = net.flops_per_token(cfg.seq_len), sum(p.numel() for p in net.module.parameters())
+    strategy = build_strategy(net, cfg, env)
     loader = ShardedLoader(
-        TokenSource(cfg.data, model.args.vocab_size, cfg.seq_len), micro_batch=cfg.micro_batch_size,
+        TokenSource(cfg.data, net.vocab_size, cfg.seq_len), micro_batch=cfg.micro_batch_size,
         rank=env.rank, world=env.world,
     )  # fmt: skip
     rank0 = env.rank == 0

@@ -89,7 +89,18 @@ SPEC_RULES = (
         good=({"procsPerNode": 4, "resources": {"gpusPerNode": 4}}, {"procsPerNode": 8}),
         bad=({"procsPerNode": 8, "resources": {"gpusPerNode": 4}},),
     ),
-    *(r.rebased({"precision": "trainer.precision"}) for r in TrainerConfig.rules),
+    # TrainerConfig's own rules (TrainingSpec's hold under spec.trainer already), on the job's paths.
+    *(r.rebased({"precision": "trainer.precision"}) for r in TrainerConfig.rules if r not in TrainingSpec.rules),
+    Rule(
+        "trainer.exportOnSuccess", "needs spec.checkpoint and trainer.model.huggingface: the export is a Hugging "
+        "Face directory written next to the checkpoints",
+        At("trainer.exportOnSuccess").implies(Has("checkpoint") & Has("trainer.model.huggingface")),
+        good=({"trainer": {"exportOnSuccess": True, "model": {"huggingface": {"path": "/m"}, "preset": None}},
+               "checkpoint": {"volumeClaim": {"size": "1Gi"}}},),
+        bad=({"trainer": {"exportOnSuccess": True, "model": {"huggingface": {"path": "/m"}, "preset": None}},
+              "checkpoint": None},
+             {"trainer": {"exportOnSuccess": True}, "checkpoint": {"volumeClaim": {"size": "1Gi"}}}),
+    ),
     Rule(
         "trainer.tensorboard", "needs spec.checkpoint: the event files are written next to the checkpoints",
         At("trainer.tensorboard").implies(Has("checkpoint")),
@@ -224,6 +235,7 @@ class Progress(StatusModel):
     step: int = Field(0, ge=0, description="Last completed optimizer step.")
     total_steps: int | None = Field(None, description="Steps the job trains for.")
     loss: float | None = Field(None, description="Loss at `step`.")
+    eval_loss: float | None = Field(None, description="Loss on the held-out records at the last evaluation.")
     tokens_per_second: float | None = Field(None, description="Throughput over all processes.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs).")
     updated_at: str | None = Field(None, description="When rank 0 wrote this report, by its own clock (RFC 3339).")
@@ -317,6 +329,9 @@ class ShardedTrainingJobStatus(StatusModel):
     recovery: InPlaceRecovery | None = Field(None, description="In-place recovery of the current attempt.")
     progress: Progress | None = Field(None, description="Live training progress.")
     last_checkpoint: CheckpointStatus | None = Field(None, description="Newest complete checkpoint.")
+    export: CheckpointStatus | None = Field(
+        None, description="The Hugging Face directory the trainer exported at the end (trainer.exportOnSuccess)."
+    )
     resumed_from: CheckpointStatus | None = Field(
         None,
         description="The checkpoint training last resumed from (one an earlier job of this name left on a "

@@ -28,7 +28,7 @@ from sharded_operator.views import controller_uid
 from sharded_trainer.contract import ProgressReport, TrainerEventType, parse_iso
 
 # Status fields only reports write; reconcile leaves them alone (its patch never names them).
-_WRITTEN = ("progress", "last_checkpoint", "resumed_from", "last_trainer_event", "in_place_restarts")
+_WRITTEN = ("progress", "last_checkpoint", "resumed_from", "export", "last_trainer_event", "in_place_restarts")
 REPORT_FIELDS = tuple(ShardedTrainingJobStatus.model_fields[n].alias or n for n in _WRITTEN)
 MAX_TOKEN_BYTES = 8192
 # Claims the API server puts into a token bound to a pod (and returns as `extra` of a TokenReview).
@@ -134,7 +134,8 @@ def merge_report(
     same = old is not None and (old.attempt, old.step, old.updated_at) == (report.attempt, report.step,
                                                                            report.updated_at)  # fmt: skip
     progress = Progress(
-        step=report.step, total_steps=report.total_steps, loss=report.loss, tokens_per_second=report.tokens_per_second,
+        step=report.step, total_steps=report.total_steps, loss=report.loss, eval_loss=report.eval_loss,
+        tokens_per_second=report.tokens_per_second,
         mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt, run=report.run, restart=report.restart,
         nodes=report.nodes, global_batch_size=report.global_batch_size,
         observed_at=old.observed_at if same and old else now,
@@ -151,6 +152,8 @@ def merge_report(
         events.append((EVENT_TYPES.get(e.type, "Normal"), e.type.value, e.message))
         if e.type == TrainerEventType.RESUMED and e.checkpoint:
             patch["resumed_from"] = CheckpointStatus.model_validate(e.checkpoint.model_dump())
+        if e.type == TrainerEventType.EXPORT_WRITTEN and e.checkpoint:
+            patch["export"] = CheckpointStatus.model_validate(e.checkpoint.model_dump())
     if new:
         patch["last_trainer_event"] = TrainerEventCursor(attempt=report.attempt, run=report.run, seq=new[-1].seq)
     names = ShardedTrainingJobStatus.model_fields

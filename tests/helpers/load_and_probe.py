@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from sharded_trainer.checkpoint import step_dir
 from sharded_trainer.config import load_config
-from sharded_trainer.model import build_model
+from sharded_trainer.model import preset_network
 from sharded_trainer.process_group import init_distributed, shutdown
 from sharded_trainer.strategies import build_strategy
 
@@ -35,7 +35,7 @@ def main() -> None:
 def probe(cfg, env, step: int, out: str, resave: str | None) -> None:
     """Load, run and save. Everything sharded lives in this frame, so it is freed before the process group
     goes: objects left alive until interpreter shutdown can abort it from their destructors."""
-    strategy = build_strategy(build_model(cfg), cfg, env)
+    strategy = build_strategy(preset_network(cfg), cfg, env)
     strategy.load(step_dir(Path(cfg.checkpoint.dir), step))
     if resave:
         Path(resave).mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ def loaders(source, world, micro=2):
 def test_ranks_read_disjoint_samples_and_targets_are_shifted_inputs(kind, token_file):
     cfg = DataConfig(source=kind, path=str(token_file) if kind == "tokens" else None, dtype="uint32")
     source = TokenSource(cfg, vocab_size=1000, seq_len=16)
-    (x0, y0), (x1, _) = (loader.next_batch() for loader in loaders(source, world=2))
+    (x0, y0, p0), (x1, _, _) = (loader.next_batch() for loader in loaders(source, world=2))
+    assert p0 is None  # one sequence per row: no positions
     assert x0.shape == (2, 16) and x0.dtype == torch.int64
     assert torch.equal(x0[:, 1:], y0[:, :-1])
     assert not torch.equal(x0, x1)

@@ -92,6 +92,17 @@ def newest_committed(root: Path) -> Path | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
+def resolve_step_dir(path: str) -> Path:
+    """`path` itself if it is a committed checkpoint, else the newest committed checkpoint under it."""
+    p = Path(path)
+    if is_committed(p):
+        return p
+    newest = newest_committed(p)
+    if newest is None:
+        raise FileNotFoundError(f"no committed checkpoint in {p}")
+    return newest
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
@@ -18,17 +18,61 @@ class Model(Ruled):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True)
 
 
-class ModelConfig(Model):
-    """Which network to train."""
+class HuggingFaceModel(Model):
+    """A released model in Hugging Face's directory format, trained through transformers' own classes."""
 
-    preset: Literal["tiny", "llama-125m", "llama-1b", "llama-8b"] = Field(
-        "tiny",
-        description="Llama-style decoder shape: tiny (CPU tests), llama-125m, llama-1b (dim 2048, 16 layers, "
-        "32 heads, 8 KV heads, FFN 8192, vocab 128256, tied embeddings) or llama-8b.",
+    path: str = Field(
+        ..., min_length=1, max_length=4096,
+        description="Directory with config.json, safetensors weights (one file or shards with an index) and the "
+        "tokenizer files, on a claim or in the image.",
+    )  # fmt: skip
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="Dtype the parameters are kept in. auto: trained parameters in fp32 (the optimizer's master "
+        "copy) and a frozen LoRA base in the compute precision; under ZeRO-2 DeepSpeed keeps its own fp32 master.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow model code shipped in the directory (auto_map); only for directories you trust."
+    )
+
+
+class ModelConfig(Model):
+    """Which network to train: a built-in preset or a Hugging Face model directory."""
+
+    rules = (
+        Rule(
+            "huggingface", "preset and huggingface are exclusive: give one model",
+            ~(Has("preset") & Has("huggingface")),
+            good=({"preset": "tiny"}, {"huggingface": {"path": "/models/qwen"}, "preset": None}, {}),
+            bad=({"preset": "tiny", "huggingface": {"path": "/models/qwen"}},),
+        ),
+        Rule(
+            "vocabSize", "applies to a preset only: a Hugging Face model's vocabulary is its tokenizer's",
+            ~(Has("vocabSize") & Has("huggingface")),
+            good=({"preset": "tiny", "vocabSize": 512},),
+            bad=({"huggingface": {"path": "/models/qwen"}, "vocabSize": 512},),
+        ),
+    )  # fmt: skip
+
+    preset: Literal["tiny", "llama-125m", "llama-1b", "llama-8b"] | None = Field(
+        None,
+        description="Llama-style decoder shape, randomly initialised (benchmarks and tests): tiny (the default "
+        "when no model is given), llama-125m, llama-1b (dim 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, "
+        "vocab 128256, tied embeddings) or llama-8b.",
+    )
+    huggingface: HuggingFaceModel | None = Field(
+        None, description="Fine-tune this Hugging Face causal LM (Llama, Qwen2/3, Mistral, Gemma, ...)."
     )
     vocab_size: int | None = Field(
         None, ge=2, le=1_048_576, description="Override the preset's vocabulary size (must cover the data's tokens)."
     )
+
+    @property
+    def preset_name(self) -> str:
+        return self.preset or "tiny"
+
+
+RECORD_SOURCES = ("jsonl", "parquet", "arrow")
 
 
 class DataConfig(Model):
@@ -36,21 +80,69 @@ class DataConfig(Model):
 
     rules = (
         Rule(
-            "path", "is required when source is 'tokens': give the token file's path",
-            At("source").ne("tokens") | Has("path"),
-            good=({"source": "tokens", "path": "/data/tokens.bin"}, {"source": "synthetic"}),
-            bad=({"source": "tokens"},),
+            "path", "is required for sources tokens, jsonl, parquet and arrow: give the file or directory",
+            At("source").is_in(["tokens", *RECORD_SOURCES]).implies(Has("path")),
+            good=({"source": "tokens", "path": "/data/tokens.bin"}, {"source": "synthetic"},
+                  {"source": "jsonl", "path": "/data/chat.jsonl", "tokenizer": "/models/qwen"}),
+            bad=({"source": "tokens"}, {"source": "parquet"}),
+        ),
+        Rule(
+            "evalEvery", "needs evalFraction above 0: there is nothing to evaluate on",
+            Has("evalEvery").implies(At("evalFraction").gt(0)),
+            good=({"evalEvery": 10, "evalFraction": 0.05}, {"evalFraction": 0.05}),
+            bad=({"evalEvery": 10},),
         ),
     )  # fmt: skip
 
-    source: Literal["synthetic", "learnable", "tokens"] = Field(
+    source: Literal["synthetic", "learnable", "tokens", "jsonl", "parquet", "arrow"] = Field(
         "learnable",
         description="synthetic: random tokens (throughput benchmarks); learnable: a deterministic sequence task "
-        "whose loss must fall (tests, demos); tokens: a pre-tokenized memory-mapped file at `path`.",
+        "whose loss must fall (tests, demos); tokens: a pre-tokenized memory-mapped file at `path`; jsonl, "
+        "parquet, arrow: records with `text` or chat `messages` at `path` (a file or a directory of them), "
+        "tokenized once with the model's tokenizer and chat template.",
     )
-    path: str | None = Field(None, description="Pre-tokenized token file, required when source is `tokens`.")
+    path: str | None = Field(None, max_length=4096, description="The data file or directory (see source).")
     dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of the token file.")
     seed: int = Field(1234, description="Seed of the synthetic generators and of the sampling order.")
+    tokenizer: str | None = Field(
+        None, max_length=4096,
+        description="Tokenizer directory for record sources; default: the Hugging Face model's directory.",
+    )  # fmt: skip
+    response_only_loss: bool = Field(
+        True, description="Chat records: train only on the assistant's tokens (false: on the whole conversation)."
+    )
+    packing: bool = Field(
+        True,
+        description="Pack several records into each sequence; each keeps its own positions and attends only to "
+        "itself. false: one record per sequence, padded (longer records are cut into pieces either way).",
+    )
+    cache_dir: str | None = Field(
+        None, max_length=4096,
+        description="Where the tokenized records are kept, shared by every start and rank; default: "
+        "`tokenized/` under checkpoint.dir (on the claim), else a temporary directory on each node.",
+    )  # fmt: skip
+    eval_fraction: float = Field(
+        0.0, ge=0, le=0.5, description="Record sources: this fraction of the records is held out for evaluation."
+    )
+    eval_every: int | None = Field(
+        None, ge=1, le=100_000_000, description="Evaluate the held-out records every this many steps (and at the end)."
+    )
+    eval_samples: int = Field(
+        256, ge=1, le=1_000_000, description="Sequences of the held-out set each evaluation uses at most."
+    )
+
+
+class LoraConfig(Model):
+    """Low-rank adapters (peft's LoRA) on a frozen base model."""
+
+    r: int = Field(16, ge=1, le=4096, description="Adapter rank.")
+    alpha: float = Field(32, gt=0, le=1_000_000, description="Scaling numerator: adapters are scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=lambda: ["all-linear"], min_length=1, max_length=64,
+        description="Module names (or suffixes) to adapt, e.g. [q_proj, v_proj]; all-linear adapts every linear "
+        "layer of the decoder but the output head.",
+    )  # fmt: skip
 
 
 class OptimizerConfig(Model):
@@ -124,8 +216,29 @@ class StrategyConfig(Model):
 class TrainingSpec(Model):
     """What to train and for how long: the part of the trainer config a job's author writes."""
 
+    rules = (
+        Rule(
+            "data.tokenizer", "record sources (jsonl, parquet, arrow) need a tokenizer: give model.huggingface "
+            "or data.tokenizer",
+            At("data.source").is_in(list(RECORD_SOURCES)).implies(Has("model.huggingface") | Has("data.tokenizer")),
+            good=({"data": {"source": "jsonl", "path": "/d.jsonl"},
+                   "model": {"huggingface": {"path": "/m"}, "preset": None}},
+                  {"data": {"source": "jsonl", "path": "/d.jsonl", "tokenizer": "/tok"}}),
+            bad=({"data": {"source": "jsonl", "path": "/d.jsonl"}},),
+        ),
+        Rule(
+            "lora", "adapters need a Hugging Face model to adapt: set model.huggingface",
+            Has("lora").implies(Has("model.huggingface")),
+            good=({"lora": {"r": 8}, "model": {"huggingface": {"path": "/m"}, "preset": None}}, {}),
+            bad=({"lora": {"r": 8}}, {"lora": {"r": 8}, "model": {"preset": "tiny"}}),
+        ),
+    )  # fmt: skip
+
     model: ModelConfig = Field(default_factory=ModelConfig, description="The network.")
     data: DataConfig = Field(default_factory=DataConfig, description="The token source.")
+    lora: LoraConfig | None = Field(
+        None, description="Train low-rank adapters on a frozen base instead of every weight (Hugging Face models)."
+    )
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps to train for.")
     micro_batch_size: int = Field(2, ge=1, le=4096, description="Sequences per process per forward pass.")
     grad_accum_steps: int = Field(1, ge=1, le=1024, description="Micro-batches accumulated per optimizer step.")
@@ -149,6 +262,11 @@ class TrainingSpec(Model):
         False,
         description="Rank 0 also writes TensorBoard event files (loss, lr, grad norm, tokens/s, MFU every logEvery "
         "steps) into tensorboard/ next to the checkpoints.",
+    )
+    export_on_success: bool = Field(
+        False,
+        description="Hugging Face models: after the last step, write the model (with LoRA: the adapter) as a "
+        "Hugging Face directory under export/ next to the checkpoints; status names its path.",
     )
 
 
@@ -186,6 +304,7 @@ class TrainerConfig(TrainingSpec):
             good=({"checkpoint": {"async": True}}, {"strategy": {"type": "zero2"}, "checkpoint": {"async": False}}),
             bad=({"checkpoint": {"async": True}, "strategy": {"type": "zero2"}},),
         ),
+        *TrainingSpec.rules,
     )  # fmt: skip
 
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="FSDP2 or ZeRO-2.")
@@ -208,6 +327,9 @@ class TrainerConfig(TrainingSpec):
     def _tensorboard_has_a_place(self) -> TrainerConfig:
         if self.tensorboard and not self.checkpoint.dir:
             raise ValueError("tensorboard needs checkpoint.dir: the event files are written next to the checkpoints")
+        if self.export_on_success and not (self.checkpoint.dir and self.model.huggingface):
+            raise ValueError("exportOnSuccess needs checkpoint.dir and model.huggingface: the export is a Hugging "
+                             "Face directory written next to the checkpoints")
         return self
 
 

@@ -201,6 +201,7 @@ class TrainingProgress(Wire):
     step: Step = Field(..., description="Last completed optimizer step.")
     total_steps: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(None, description="Steps to train.")
     loss: Finite | None = Field(None, description="Mean loss over ranks at `step`.")
+    eval_loss: Finite | None = Field(None, description="Loss on the held-out records at the last evaluation.")
     tokens_per_second: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1e13)] | None = Field(
         None, description="Throughput over all processes."
     )

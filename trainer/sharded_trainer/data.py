@@ -7,6 +7,8 @@ Every source maps a global sample index to one sequence, so the data position is
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -22,6 +24,19 @@ def _mix(x: np.ndarray | int, seed: int) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+# Targets with this value carry no loss (padding, prompts): the cross-entropy's ignore index.
+IGNORE = -100
+
+
+class Batch(NamedTuple):
+    """One micro-batch: input tokens, the tokens to predict (IGNORE where nothing is), and per-token
+    positions when sequences hold several packed records (None: each row is one sequence)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
 class TokenSource:
     """Maps a global sample index to `seq_len + 1` tokens (inputs and shifted targets)."""
 
@@ -34,7 +49,12 @@ class TokenSource:
             if len(self.tokens) < seq_len + 2:
                 raise ValueError(f"data.path {cfg.path} holds {len(self.tokens)} tokens, fewer than seqLen + 2")
 
-    def sample(self, index: int) -> np.ndarray:
+    def sample(self, index: int) -> tuple[np.ndarray, ...]:
+        """(inputs, targets) of global sample `index`."""
+        row = self._row(index)
+        return row[:-1], row[1:]
+
+    def _row(self, index: int) -> np.ndarray:
         n = self.seq_len + 1
         if self.cfg.source == "synthetic":
             return (_mix(np.arange(index * n, (index + 1) * n), self.cfg.seed) % np.uint64(self.vocab)).astype(np.int64)
@@ -55,18 +75,18 @@ class TokenSource:
 
 
 class ShardedLoader:
-    """Yields this rank's micro-batches; `state_dict()` is the global data position."""
+    """Yields this rank's micro-batches; `state_dict()` is the global data position. A source maps a global
+    sample index to (inputs, targets[, positions]) arrays of one sequence."""
 
-    def __init__(self, source: TokenSource, *, micro_batch: int, rank: int, world: int):
+    def __init__(self, source, *, micro_batch: int, rank: int, world: int):
         self.source, self.micro_batch, self.rank, self.world = source, micro_batch, rank, world
         self.consumed = 0  # global samples consumed by all ranks together
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> Batch:
         base = self.consumed + self.rank * self.micro_batch
-        rows = np.stack([self.source.sample(base + j) for j in range(self.micro_batch)])
+        samples = [self.source.sample(base + j) for j in range(self.micro_batch)]
         self.consumed += self.micro_batch * self.world
-        t = torch.from_numpy(rows)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        return Batch(*(torch.from_numpy(np.stack(column).astype(np.int64)) for column in zip(*samples, strict=True)))
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed}

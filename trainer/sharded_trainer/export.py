@@ -6,21 +6,10 @@ from pathlib import Path
 
 import torch
 
-from sharded_trainer.checkpoint import is_committed, newest_committed
+from sharded_trainer.checkpoint import resolve_step_dir
 from sharded_trainer.config import TrainerConfig
 from sharded_trainer.model import build_model
 from sharded_trainer.strategies import strategy_class
-
-
-def resolve_step_dir(path: str) -> Path:
-    """`path` itself if it is a committed checkpoint, else the newest committed checkpoint under it."""
-    p = Path(path)
-    if is_committed(p):
-        return p
-    newest = newest_committed(p)
-    if newest is None:
-        raise FileNotFoundError(f"no committed checkpoint in {p}")
-    return newest
 
 
 def load_model_state(cfg: TrainerConfig, directory: Path) -> dict[str, torch.Tensor]:
@@ -34,7 +23,7 @@ def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str) -> Path:
     directory = resolve_step_dir(checkpoint)
     state = load_model_state(cfg, directory)
     # Tied embeddings share storage; safetensors stores each tensor once, so drop the alias.
-    if cfg.model.preset != "llama-8b":
+    if cfg.model.preset_name != "llama-8b":
         state.pop("output.weight", None)
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

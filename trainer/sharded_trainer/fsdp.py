@@ -10,8 +10,18 @@ from torch import nn
 
 from sharded_trainer.config import FsdpOptions, TrainerConfig
 from sharded_trainer.loss import loss_function
+from sharded_trainer.model import Network
 from sharded_trainer.optim import make_optimizer, make_scheduler
-from sharded_trainer.parallel import DTYPES, Batch, to_device, wrap_blocks
+from sharded_trainer.parallel import (
+    DTYPES,
+    Batch,
+    decoder_layers,
+    held_out_loss,
+    materialize,
+    to_device,
+    trainable,
+    wrap_blocks,
+)
 from sharded_trainer.process_group import DistEnv
 
 
@@ -29,7 +39,9 @@ def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: tor
     # Pinned host memory needs a GPU; on a CPU-only run the offload has nowhere to move anything.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     extra = {"offload_policy": offload} if options.cpu_offload else {}
-    sharded = wrap_blocks(model, activation_checkpointing=options.activation_checkpointing, compile=options.compile)
+    sharded = wrap_blocks(
+        decoder_layers(model), activation_checkpointing=options.activation_checkpointing, compile=options.compile
+    )
     for block in sharded:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)
     # The root's parameters are needed again at the start of backward: keep them gathered.
@@ -60,11 +72,10 @@ def host_stager(device: torch.device):
 class FsdpStrategy:
     """FSDP2 training step; a checkpoint is DCP's sharded files (`model`, `optim`, `scheduler` keys)."""
 
-
-    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
+    def __init__(self, net: Network, cfg: TrainerConfig, env: DistEnv):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.env, self.cfg = env, cfg
+        self.env, self.cfg, self.net = env, cfg, net
         if cfg.strategy.fsdp.shard == "hybrid":  # HSDP: rows are nodes (replicas), columns a node's processes
             per_node = env.local_world
             if env.world % per_node:
@@ -77,9 +88,13 @@ class FsdpStrategy:
             self.layout = f"full: {env.world} shards"
         self.layout += f", prefetch {cfg.strategy.fsdp.prefetch}"
         self.mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
-        self.model = apply_fsdp(model, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision])
+        self.model = apply_fsdp(
+            net.module, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision]
+        )
+        if net.source is not None:  # built on the meta device: each rank reads only the rows it keeps
+            materialize(self.model, env.device, net.source)
         self.loss = loss_function(cfg.strategy.fsdp.compile)
-        self.optimizer = make_optimizer(self.model.parameters(), cfg, env.device)
+        self.optimizer = make_optimizer(trainable(self.model), cfg, env.device)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self._ckpt_group = None
         self._stager = None
@@ -87,26 +102,35 @@ class FsdpStrategy:
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)
         for batch in micro_batches:
-            inputs, targets = to_device(batch, self.env.device)
-            loss = self.loss(self.model(inputs), targets)
+            inputs, targets, positions = to_device(batch, self.env.device)
+            loss = self.loss(self.net.logits(self.model, inputs, positions), targets)
             (loss / len(micro_batches)).backward()
             total += loss.detach()
         norm = None
         if self.cfg.grad_clip_norm > 0:  # the norm is a pass over every gradient plus an all-reduce
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip_norm)
+            norm = torch.nn.utils.clip_grad_norm_(trainable(self.model), self.cfg.grad_clip_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return total / len(micro_batches), norm
 
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        return held_out_loss(self.net, self.model, self.loss, batch, self.env.device)
+
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # A LoRA run saves its adapters and their optimizer state only: the frozen base is the model directory.
+        return StateDictOptions(ignore_frozen_params=self.net.adapter_only, strict=not self.net.adapter_only)
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def save(self, directory: Path, *, async_save: bool) -> object | None:
@@ -136,7 +160,10 @@ class FsdpStrategy:
 
         state = self._state()
         dcp.load(state, checkpoint_id=str(directory))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            options=self._options(),
+        )  # fmt: skip
         self.scheduler.load_state_dict(state["scheduler"])
 
     @staticmethod
@@ -152,6 +179,8 @@ class FsdpStrategy:
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
 
-        state = {"model": model.state_dict()}
+        keys = set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+        # Only the keys the checkpoint has: a LoRA run saved its adapters, not the frozen base.
+        state = {"model": {k: v for k, v in model.state_dict().items() if f"model.{k}" in keys}}
         dcp.load(state, checkpoint_id=str(directory), no_dist=True)  # reads only the model's keys
         return state["model"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sharded_trainer.data import IGNORE
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy computed in fp32 from low-precision logits.
@@ -16,7 +18,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     vocabulary.
     """
     log_probs = F.log_softmax(logits.flatten(0, 1), dim=-1, dtype=torch.float32)
-    return F.nll_loss(log_probs, targets.flatten(0, 1))
+    targets = targets.flatten(0, 1)
+    # Mean over the tokens that carry a loss (targets of -100 do not: padding, prompts), 0 when none does:
+    # a micro-batch of prompts alone must not turn the step's loss into NaN.
+    total = F.nll_loss(log_probs, targets, ignore_index=IGNORE, reduction="sum")
+    return total / (targets != IGNORE).sum().clamp(min=1)
 
 
 def loss_function(compile: bool):

@@ -8,8 +8,6 @@ import time
 
 import torch
 
-from sharded_trainer.model import ModelArgs
-
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices (and CPUs) report no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
@@ -24,8 +22,8 @@ def peak_flops(device: torch.device) -> float | None:
 class Meter:
     """Accumulates tokens between log lines and turns them into tokens/s per device and MFU."""
 
-    def __init__(self, args: ModelArgs, seq_len: int, device: torch.device, world: int):
-        self.flops_per_token = args.flops_per_token(seq_len)
+    def __init__(self, flops_per_token: float, device: torch.device, world: int):
+        self.flops_per_token = flops_per_token
         self.device, self.world = device, world
         self.peak = peak_flops(device)
         self.tokens = 0

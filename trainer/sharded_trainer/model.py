@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sharded_trainer.config import TrainerConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,45 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: TrainerConfig) -> Transformer:
-    """The configured network with its initial weights, the same on every rank before sharding."""
-    args = model_args(cfg.model.preset, cfg.model.vocab_size, cfg.seq_len)
+    """The configured preset with its initial weights, the same on every rank before sharding."""
+    args = model_args(cfg.model.preset_name, cfg.model.vocab_size, cfg.seq_len)
     model = Transformer(args)
     model.init_weights(cfg.seed)
     return model
+
+
+class WeightSource:
+    """Initial values of a model built on the meta device, read for the rows a process keeps."""
+
+    def read(self, name: str, shape: torch.Size, rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter `name` (of full `shape`), only rows [rows[0], rows[1]) of its first dimension when given."""
+        raise NotImplementedError
+
+
+@dataclass
+class Network:
+    """A model as the loop and the strategies see it, whatever built it (a preset or transformers)."""
+
+    module: nn.Module
+    fingerprint: dict  # what checkpoints of it can be resumed by (its shape, its adapters)
+    flops_per_token: Callable[[int], float]  # training FLOPs per token at a sequence length, for MFU
+    logits: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (module, inputs, positions)
+    vocab_size: int
+    # Set when the parameters are on the meta device: the strategy shards, then materializes from it.
+    source: WeightSource | None = None
+    # Only the trained parameters (LoRA adapters) are checkpointed; the frozen rest comes from `source`.
+    adapter_only: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _preset_logits(module: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    return module(inputs)  # one sequence per row: positions are implicit
+
+
+def preset_network(cfg: TrainerConfig) -> Network:
+    model = build_model(cfg)
+    shape = {k: v for k, v in asdict(model.args).items() if k != "max_seq_len"}  # RoPE tables are not saved
+    return Network(
+        module=model, fingerprint=shape, flops_per_token=model.args.flops_per_token, logits=_preset_logits,
+        vocab_size=model.args.vocab_size,
+    )  # fmt: skip

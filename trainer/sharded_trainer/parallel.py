@@ -9,10 +9,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from sharded_trainer.data import Batch
+from sharded_trainer.model import DTYPES, WeightSource
 from sharded_trainer.process_group import DistEnv
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+__all__ = ["DTYPES", "Batch", "Strategy", "decoder_layers", "materialize", "to_device", "trainable", "wrap_blocks"]
 
 
 class Strategy(Protocol):
@@ -32,6 +33,9 @@ class Strategy(Protocol):
 
     def current_lr(self) -> float: ...
 
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        """(mean loss, tokens with a loss) of a held-out micro-batch; every rank must call it as often."""
+
     def save(self, directory: Path, *, async_save: bool) -> object | None:
         """Write this rank's part of the model/optimizer/scheduler state; may return a pending future."""
 
@@ -49,7 +53,7 @@ class Strategy(Protocol):
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state from a checkpoint this strategy wrote, as float32 tensors, in
-        one process, without a process group."""
+        one process, without a process group (a LoRA run's checkpoint: the adapters only)."""
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -58,8 +62,22 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     until forward finished, and the GPU would then idle while backward is being queued."""
     if device.type != "cuda":
         return batch
-    inputs, targets = (t.pin_memory().to(device, non_blocking=True) for t in batch)
-    return inputs, targets
+    return Batch(*(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in batch))
+
+
+@torch.no_grad()
+def held_out_loss(net, module: nn.Module, loss_fn, batch: Batch, device: torch.device) -> tuple[float, int]:
+    """(mean loss, tokens with a loss) of one held-out micro-batch, without gradients or dropout."""
+    from sharded_trainer.data import IGNORE
+
+    inputs, targets, positions = to_device(batch, device)
+    was_training = module.training
+    module.eval()
+    try:
+        loss = loss_fn(net.logits(module, inputs, positions), targets)
+    finally:
+        module.train(was_training)
+    return float(loss), int((targets != IGNORE).sum())
 
 
 def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> float:
@@ -72,15 +90,61 @@ def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> float:
     return value.item() / env.world
 
 
-def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool) -> list[nn.Module]:
-    """Apply activation checkpointing and torch.compile to each transformer block; return the blocks."""
+def decoder_layers(model: nn.Module) -> nn.Module:
+    """The container of the model's repeated blocks, found from the model rather than from a list of names:
+    the largest ModuleList/ModuleDict whose children are all of one class, that class one the model declares
+    unsplittable (transformers' `_no_split_modules`) when it declares any."""
+    unsplit: set[str] = set()
+    for m in model.modules():
+        unsplit |= set(getattr(m, "_no_split_modules", None) or ())
+    best: nn.Module | None = None
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m):
+            classes = {type(c).__name__ for c in m.children()}
+            if len(classes) == 1 and (not unsplit or classes & unsplit) and (best is None or len(m) > len(best)):
+                best = m
+    if best is None:
+        raise ValueError(f"{type(model).__name__}: found no list of repeated decoder layers to shard block by block")
+    return best
+
+
+def wrap_blocks(layers: nn.Module, *, activation_checkpointing: bool, compile: bool) -> list[nn.Module]:
+    """Apply activation checkpointing and torch.compile to each block of `layers` (decoder_layers); return them."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for name, block in list(model.layers.items()):
+    for name, block in list(layers.named_children()):
         if activation_checkpointing:
             # The wrapper keeps parameter names clean in state dicts (DCP strips its prefix).
             block = checkpoint_wrapper(block, preserve_rng_state=False)
-            model.layers[name] = block
+            setattr(layers, name, block)
         if compile:
             block.compile()  # in place, so parameter FQNs do not gain an `_orig_mod.` prefix
-    return list(model.layers.values())
+    return list(layers.children())
+
+
+def materialize(module: nn.Module, device: torch.device, source: WeightSource) -> None:
+    """Allocate a meta-built (and maybe sharded) module on `device` and fill every parameter from `source`,
+    asking it only for the rows this process keeps: a DTensor's local shard (FSDP2 shards dimension 0), or
+    the whole tensor. Buffers (RoPE tables) were computed at build time and are kept."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
+        for name, p in module.named_parameters():
+            if isinstance(p, DTensor):
+                local = p.to_local()
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if list(shape[1:]) != list(p.shape[1:]):
+                    raise ValueError(f"{name}: sharded along a dimension other than the first ({p.placements})")
+                local.copy_(source.read(name, p.shape, (offset[0], offset[0] + shape[0]), local.dtype))
+            else:
+                p.copy_(source.read(name, p.shape, None, p.dtype))
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer steps: all of them, or a LoRA run's adapters."""
+    return [p for p in model.parameters() if p.requires_grad]

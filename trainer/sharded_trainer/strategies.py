@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from sharded_trainer.config import TrainerConfig
+from sharded_trainer.model import Network
 from sharded_trainer.parallel import Strategy
 from sharded_trainer.process_group import DistEnv
 
@@ -20,5 +19,5 @@ def strategy_class(name: str) -> type[Strategy]:
     return Zero2Strategy
 
 
-def build_strategy(model: nn.Module, cfg: TrainerConfig, env: DistEnv) -> Strategy:
-    return strategy_class(cfg.strategy.type)(model, cfg, env)
+def build_strategy(net: Network, cfg: TrainerConfig, env: DistEnv) -> Strategy:
+    return strategy_class(cfg.strategy.type)(net, cfg, env)

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from sharded_trainer import records
 from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible
-from sharded_trainer.config import TrainerConfig, accumulation_for, describe_batch, with_kept_batch
+from sharded_trainer.config import RECORD_SOURCES, TrainerConfig, accumulation_for, describe_batch, with_kept_batch
 from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
-from sharded_trainer.data import ShardedLoader, TokenSource
+from sharded_trainer.data import IGNORE, Batch, ShardedLoader, TokenSource
 from sharded_trainer.metrics import Meter, emit
-from sharded_trainer.model import build_model
+from sharded_trainer.model import Network
+from sharded_trainer.network import build_network
 from sharded_trainer.parallel import mean_over_ranks
 from sharded_trainer.process_group import DistEnv, any_true
 from sharded_trainer.reporting import ProgressReporter, ReportTarget
@@ -30,6 +33,8 @@ from sharded_trainer.tensorboard import EventWriter
 # for longer. Twice the slowest iteration so far (a save included) and a second, within these bounds: the
 # upper one before any iteration is timed, and below torchrun's own 30 s kill.
 STOP_AGREE_SECONDS = (2.0, 25.0)
+# How long ranks wait for the one that tokenizes the records.
+TOKENIZE_WAIT_SECONDS = 6 * 3600
 
 
 class StopRequest:
@@ -81,11 +86,54 @@ class StopRequest:
             os._exit(1)  # threads blocked in a collective would hold a normal exit
 
 
-def fingerprint(cfg: TrainerConfig, model) -> dict:
-    """What a checkpoint of this run can be resumed by: the strategy and the model's shape. Not the world
-    size: both strategies reshard on load. The sequence length is left out: RoPE tables are not saved."""
-    shape = {k: v for k, v in dataclasses.asdict(model.args).items() if k != "max_seq_len"}
-    return {"strategy": cfg.strategy.type, "model": shape}
+def fingerprint(cfg: TrainerConfig, net: Network) -> dict:
+    """What a checkpoint of this run can be resumed by: the strategy and the model's shape (and adapters).
+    Not the world size: both strategies reshard on load."""
+    return {"strategy": cfg.strategy.type, "model": net.fingerprint}
+
+
+def token_source(cfg: TrainerConfig, env: DistEnv, vocab_size: int):
+    """The configured source; records are tokenized once, by one rank, into a cache every rank then reads."""
+    if cfg.data.source not in RECORD_SOURCES:
+        return TokenSource(cfg.data, vocab_size, cfg.seq_len), None
+    tokenizer = cfg.data.tokenizer or cfg.model.huggingface.path
+    shared = cfg.data.cache_dir or (cfg.checkpoint.dir and str(Path(cfg.checkpoint.dir) / "tokenized"))
+    root = Path(shared or Path(tempfile.gettempdir()) / "sharded-tokenized")
+    directory = root / records.cache_key(cfg.data, tokenizer)
+    # On the claim one rank of the job builds it; in a node's temporary directory, one rank per node.
+    builder = env.rank == 0 if shared else env.local_rank == 0
+    if builder and not records.is_ready(directory):
+        meta = records.build_cache(cfg.data, tokenizer, directory)
+        emit({"event": "tokenized", "cache": str(directory), **meta})
+    deadline = time.monotonic() + TOKENIZE_WAIT_SECONDS
+    while not records.is_ready(directory):  # a file wait, not a collective: tokenizing may take long
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the tokenized data did not appear in {directory} in {TOKENIZE_WAIT_SECONDS}s")
+        time.sleep(0.5)
+    train_rows = records.RecordSource(cfg.data, directory, cfg.seq_len, vocab_size)
+    held = None
+    if cfg.data.eval_fraction > 0:
+        held = records.RecordSource(cfg.data, directory, cfg.seq_len, vocab_size, eval_split=True)
+    return train_rows, held
+
+
+def evaluate(strategy, source, cfg: TrainerConfig, env: DistEnv) -> float:
+    """Token-weighted mean loss over the held-out rows (at most data.evalSamples), split over the ranks. Every
+    rank runs as many forward passes (FSDP gathers parameters collectively); a rank past the end runs one
+    whose targets are all ignored."""
+    count, micro = min(len(source), cfg.data.eval_samples), cfg.micro_batch_size
+    total = torch.zeros(2, dtype=torch.float64)
+    for first in range(0, count, env.world * micro):
+        indices = [first + env.rank * micro + j for j in range(micro)]
+        rows = [source.sample(i if i < count else 0) for i in indices]
+        batch = Batch(*(torch.from_numpy(np.stack(c)) for c in zip(*rows, strict=True)))
+        if all(i >= count for i in indices):
+            batch = batch._replace(targets=torch.full_like(batch.targets, IGNORE))
+        loss, tokens = strategy.eval_loss(batch)
+        total += torch.tensor([loss * tokens, tokens], dtype=torch.float64)
+    total = total.to(env.device)
+    dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) -> int:
@@ -97,13 +145,10 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     cfg = with_kept_batch(cfg, env.local_world)
     accum, global_batch = accumulation_for(cfg, env.world)
     cfg = cfg.model_copy(update={"grad_accum_steps": accum})
-    model = build_model(cfg)
-    args = model.args
-    strategy = build_strategy(model, cfg, env)
-    loader = ShardedLoader(
-        TokenSource(cfg.data, args.vocab_size, cfg.seq_len), micro_batch=cfg.micro_batch_size, rank=env.rank,
-        world=env.world,
-    )  # fmt: skip
+    net = build_network(cfg)
+    source, held_out = token_source(cfg, env, net.vocab_size)
+    strategy = build_strategy(net, cfg, env)
+    loader = ShardedLoader(source, micro_batch=cfg.micro_batch_size, rank=env.rank, world=env.world)
     report = ProgressReporter(
         target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
     )
@@ -119,7 +164,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         emit({"event": "layout", "strategy": cfg.strategy.type, "layout": strategy.layout})
     ckpt = CheckpointManager(
         cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed, on_set_aside=set_aside,
-        fingerprint=fingerprint(cfg, model),
+        fingerprint=fingerprint(cfg, net),
     )  # fmt: skip
     # What the run settled on (backend `auto` resolved here outside a pod; the world size torchrun made).
     if env.is_main:
@@ -151,7 +196,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
             step=step, checkpoint=ckpt.last_committed,
         )  # fmt: skip
     report.update(step=step, last_checkpoint=ckpt.last_committed)
-    meter = Meter(args, cfg.seq_len, env.device, env.world)
+    meter = Meter(net.flops_per_token(cfg.seq_len), env.device, env.world)
     board = EventWriter(Path(cfg.checkpoint.dir) / "tensorboard") if cfg.tensorboard and env.is_main else None
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.seq_len
 
@@ -175,6 +220,13 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
                 if board is not None:
                     board.scalars(step, {k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")})
                 report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])
+            if held_out is not None and (step % (cfg.data.eval_every or cfg.steps) == 0 or step == cfg.steps):
+                eval_loss = evaluate(strategy, held_out, cfg, env)
+                if env.is_main:
+                    emit({"event": "eval", "step": step, "eval_loss": round(eval_loss, 5)})
+                if board is not None:
+                    board.scalars(step, {"eval_loss": eval_loss})
+                report.update(step=step, eval_loss=eval_loss)
             preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
             if preempted:
                 stop.agreed.set()
@@ -197,5 +249,21 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         return ExitCode.PREEMPTED if stop.requested.is_set() else ExitCode.PEER_STOPPED
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
+    if cfg.export_on_success and env.is_main and ckpt.last_committed:
+        export_at_end(cfg, report, ckpt.last_committed)
     return ExitCode.OK
+
+
+def export_at_end(cfg: TrainerConfig, report: ProgressReporter, committed: dict) -> None:
+    """Rank 0 writes the final checkpoint as a Hugging Face directory (the other ranks are done)."""
+    from sharded_trainer.hf_export import export_hf
+
+    out = Path(cfg.checkpoint.dir) / "export"
+    written = export_hf(cfg, committed["path"], str(out))
+    emit({"event": "exported", "step": committed["step"], "path": str(written)})
+    report.event(
+        TrainerEventType.EXPORT_WRITTEN, f"exported step {committed['step']} as a Hugging Face directory: {written}",
+        step=committed["step"], checkpoint={"step": committed["step"], "path": str(written)},
+    )  # fmt: skip
+    report.flush()
 

@@ -12,8 +12,17 @@ from torch import nn
 
 from sharded_trainer.config import TrainerConfig, Zero2Options
 from sharded_trainer.loss import loss_function
+from sharded_trainer.model import Network
 from sharded_trainer.optim import adamw_kwargs, make_optimizer, make_scheduler
-from sharded_trainer.parallel import Batch, to_device, wrap_blocks
+from sharded_trainer.parallel import (
+    Batch,
+    decoder_layers,
+    held_out_loss,
+    materialize,
+    to_device,
+    trainable,
+    wrap_blocks,
+)
 from sharded_trainer.process_group import DistEnv
 
 # DeepSpeed writes a checkpoint into <step directory>/<tag>/; its partitioned optimizer state is laid
@@ -48,19 +57,26 @@ def zero2_config(cfg: TrainerConfig, options: Zero2Options) -> dict:
     }
 
 
-def apply_zero2(model: nn.Module, *, cfg: TrainerConfig, device: torch.device):
+def apply_zero2(net: Network, *, cfg: TrainerConfig, device: torch.device):
     """Wrap the model in a DeepSpeed engine with ZeRO-2 (sharded gradients and optimizer state)."""
     import deepspeed
 
-    options = cfg.strategy.zero2
-    wrap_blocks(model, activation_checkpointing=options.activation_checkpointing, compile=options.compile)
-    model.to(device)
+    options, model = cfg.strategy.zero2, net.module
+    wrap_blocks(
+        decoder_layers(model), activation_checkpointing=options.activation_checkpointing, compile=options.compile
+    )
+    if net.source is not None:
+        # ZeRO-2 keeps every parameter on every rank: read each once, in the dtype it is kept in, straight
+        # into its place on the device (no full fp32 copy in host memory).
+        materialize(model, device, net.source)
+    else:
+        model.to(device)
     if options.cpu_offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        optimizer = DeepSpeedCPUAdam(model.parameters(), **adamw_kwargs(cfg.optimizer))
+        optimizer = DeepSpeedCPUAdam(trainable(model), **adamw_kwargs(cfg.optimizer))
     else:
-        optimizer = make_optimizer(model.parameters(), cfg, device)
+        optimizer = make_optimizer(trainable(model), cfg, device)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=make_scheduler(optimizer, cfg),
         config=zero2_config(cfg, options), dist_init_required=False,
@@ -71,26 +87,29 @@ def apply_zero2(model: nn.Module, *, cfg: TrainerConfig, device: torch.device):
 class Zero2Strategy:
     """ZeRO-2 training step; a checkpoint is DeepSpeed's files under the step directory's `TAG` folder."""
 
-    def __init__(self, model: nn.Module, cfg: TrainerConfig, env: DistEnv):
+    def __init__(self, net: Network, cfg: TrainerConfig, env: DistEnv):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
-        self.env, self.cfg = env, cfg
+        self.env, self.cfg, self.net = env, cfg, net
         self.layout = f"optimizer state and gradients in {env.world} partitions"
-        self.engine = apply_zero2(model, cfg=cfg, device=env.device)
+        self.engine = apply_zero2(net, cfg=cfg, device=env.device)
         self.model = self.engine.module
         self.loss = loss_function(cfg.strategy.zero2.compile)
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)
         for batch in micro_batches:
-            inputs, targets = to_device(batch, self.env.device)
-            loss = self.loss(self.engine(inputs), targets)
+            inputs, targets, positions = to_device(batch, self.env.device)
+            loss = self.loss(self.net.logits(self.engine, inputs, positions), targets)
             self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
             self.engine.step()  # steps optimizer and scheduler only at the accumulation boundary
             total += loss.detach()
         norm = self.engine.get_global_grad_norm()
         return total / len(micro_batches), None if norm is None else torch.as_tensor(norm)
+
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        return held_out_loss(self.net, self.engine, self.loss, batch, self.env.device)
 
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]
@@ -102,7 +121,10 @@ class Zero2Strategy:
 
     def save(self, directory: Path, *, async_save: bool) -> object | None:
         # DeepSpeed's own format: it knows how its partitioned optimizer state is laid out.
-        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+        # A LoRA run saves its adapters only: the frozen base is the model directory.
+        self.engine.save_checkpoint(
+            str(directory), tag=TAG, save_latest=False, exclude_frozen_parameters=self.net.adapter_only
+        )
         return None
 
     def load(self, directory: Path) -> None:
@@ -110,8 +132,9 @@ class Zero2Strategy:
         same_world = saved_world == self.env.world
         # At another world size DeepSpeed loads the module, scheduler and counters; the partitions follow.
         path, _ = self.engine.load_checkpoint(
-            str(directory), tag=TAG, load_optimizer_states=same_world, load_lr_scheduler_states=True
-        )
+            str(directory), tag=TAG, load_optimizer_states=same_world, load_lr_scheduler_states=True,
+            load_module_strict=not self.net.adapter_only,
+        )  # fmt: skip
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
         if not same_world:

@@ -1,0 +1,98 @@
+"""Tiny Hugging Face models of each architecture, a word-level tokenizer trained here with `tokenizers`, and a
+learnable chat task: everything a fine-tuning test needs, made locally with no network.
+
+The task: the user says `next wK`, the assistant answers `wK+1 wK+2`. Chance on the answer is ln(vocab);
+a model that learned it predicts the answer almost surely, and greedy generation reproduces it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = [f"w{i}" for i in range(40)]
+SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+
+
+def question(k: int) -> list[dict]:
+    return [{"role": "user", "content": f"next w{k}"}]
+
+
+def answer(k: int) -> str:
+    return f"w{(k + 1) % len(WORDS)} w{(k + 2) % len(WORDS)}"
+
+
+def write_tokenizer(directory: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate([*SPECIAL, "next", *WORDS, "[UNK]"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="[UNK]",
+        additional_special_tokens=SPECIAL[2:],
+    )  # fmt: skip
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+def model_config(arch: str, vocab_size: int, *, pad_token_id: int, eos_token_id: int):
+    from transformers import AutoConfig
+
+    shape = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "pad_token_id": pad_token_id, "eos_token_id": eos_token_id, "bos_token_id": None,
+        "tie_word_embeddings": arch in ("gemma", "qwen2"),
+        # Wide enough an output head that adapters alone (which leave it frozen) can make confident predictions.
+        "initializer_range": 0.2,
+    }  # fmt: skip
+    return AutoConfig.for_model(arch, **shape)
+
+
+def write_model(directory: Path, arch: str, *, seed: int = 0, shards: bool = False) -> Path:
+    """A randomly initialised model of `arch` with the test tokenizer, as save_pretrained writes it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_tokenizer(directory)
+    config = model_config(arch, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Small shards exercise the index file and reads that span files.
+    model.save_pretrained(str(directory), max_shard_size="100KB" if shards else "1GB")
+    return directory
+
+
+def write_chat_data(path: Path, records: int = 400, *, seed: int = 0, system_every: int = 0) -> Path:
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for n in range(records):
+            k = rng.randrange(len(WORDS))
+            messages = [*question(k), {"role": "assistant", "content": answer(k)}]
+            if system_every and n % system_every == 0:
+                messages.insert(0, {"role": "system", "content": "next"})
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def greedy_answer(model, tokenizer, k: int) -> str:
+    """The model's greedy completion of question k, as words (special tokens dropped)."""
+    import torch
+
+    prompt = tokenizer.apply_chat_template(question(k), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()

@@ -1,0 +1,211 @@
+"""Hugging Face causal LMs through transformers' own classes: built on the meta device, their weights read
+from the directory's safetensors files by each rank for exactly the rows it keeps, LoRA through peft.
+
+Nothing here knows how parameters are laid out over processes: `parallel.materialize` asks a `WeightSource`
+for the rows each rank keeps, and the source reads only those bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sharded_trainer.config import HuggingFaceModel, TrainerConfig
+from sharded_trainer.model import DTYPES, Network
+
+# Names a wrapper adds to a parameter's path that the model's own files do not have: peft's wrapper and
+# adapted layers, activation checkpointing's wrapper, torch.compile's.
+_WRAPPER_PARTS = ("base_model.model.", ".base_layer", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+class ModelDirectoryError(ValueError):
+    """The model directory is missing or incomplete; the message says what to fix."""
+
+
+def load_hf_config(spec: HuggingFaceModel):
+    from transformers import AutoConfig
+
+    directory = Path(spec.path)
+    if not (directory / "config.json").is_file():
+        raise ModelDirectoryError(
+            f"model.huggingface.path {spec.path}: no config.json there; give a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer files), e.g. one written by save_pretrained"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(directory), trust_remote_code=spec.trust_remote_code)
+    except ValueError as e:  # an unknown model_type, or code that trustRemoteCode would allow
+        raise ModelDirectoryError(f"model.huggingface.path {spec.path}: {e}") from e
+
+
+def checkpoint_key(name: str) -> str:
+    """The name a parameter has in the model's own safetensors files."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+class SafetensorsWeights:
+    """The weights of a Hugging Face directory, read tensor by tensor (and row range by row range) from its
+    safetensors files: a rank that keeps a shard reads only that shard's bytes."""
+
+    def __init__(self, directory: str):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {k: self.directory / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            files = sorted(self.directory.glob("*.safetensors"))
+            if not files:
+                raise ModelDirectoryError(f"model.huggingface.path {directory}: no *.safetensors weights there")
+            from safetensors import safe_open
+
+            self.files = {}
+            for f in files:
+                with safe_open(str(f), "pt") as st:
+                    self.files.update(dict.fromkeys(st.keys(), f))
+        self._open: dict[Path, object] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def read(self, key: str, rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.files[key]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), "pt")
+        piece = self._open[path].get_slice(key)
+        tensor = piece[rows[0] : rows[1]] if rows is not None else piece[:]
+        return tensor.to(dtype)
+
+    def shape(self, key: str) -> list[int]:
+        from safetensors import safe_open
+
+        path = self.files[key]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), "pt")
+        return list(self._open[path].get_slice(key).get_shape())
+
+
+class HfWeightSource:
+    """Every parameter's initial value: the directory's weights for the base model, LoRA's own initialisation
+    (A: Kaiming-uniform from a generator seeded by the parameter's name, B: zeros) for the adapters."""
+
+    def __init__(self, weights: SafetensorsWeights, seed: int):
+        self.weights, self.seed = weights, seed
+
+    def read(self, name: str, shape: torch.Size, rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+        key = checkpoint_key(name)
+        if ".lora_B." in name:
+            return torch.zeros(_rows_shape(shape, rows), dtype=dtype)
+        if ".lora_A." in name:
+            # The whole matrix, so every rank draws the same numbers whatever its shard (adapters are small).
+            digest = hashlib.sha256(f"{self.seed}:{key}".encode()).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+            full = torch.empty(shape, dtype=torch.float32)
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)  # peft's (and nn.Linear's) default
+            return (full if rows is None else full[rows[0] : rows[1]]).to(dtype)
+        if key not in self.weights:
+            raise ModelDirectoryError(f"{self.weights.directory}: the model has {key}, the safetensors files do not")
+        saved = self.weights.shape(key)
+        if saved != list(shape):
+            raise ModelDirectoryError(
+                f"{self.weights.directory}: {key} is {saved} in the safetensors files, {list(shape)} in config.json"
+            )
+        return self.weights.read(key, rows, dtype)
+
+
+def _rows_shape(shape: torch.Size, rows: tuple[int, int] | None) -> list[int]:
+    return list(shape) if rows is None else [rows[1] - rows[0], *shape[1:]]
+
+
+def base_dtype(cfg: TrainerConfig) -> torch.dtype:
+    """The dtype the model is built in. auto: fp32 for trained weights under FSDP2 (the master copy the
+    optimizer steps); the compute precision for a frozen LoRA base, and under ZeRO-2 (DeepSpeed casts the
+    module to it and keeps its fp32 master in the optimizer partitions), so the weights are read once, in
+    the dtype the run keeps them in."""
+    spec = cfg.model.huggingface
+    assert spec is not None
+    if spec.dtype != "auto":
+        return DTYPES[spec.dtype]
+    if cfg.lora is not None or cfg.strategy.type == "zero2":
+        return DTYPES[cfg.precision]
+    return torch.float32
+
+
+def add_lora(model: nn.Module, cfg: TrainerConfig) -> nn.Module:
+    """peft's LoRA on the (meta) model: the base frozen, adapters on the target modules (fp32 over a
+    low-precision base)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = cfg.lora
+    assert lora is not None
+    targets = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, bias="none",
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    try:
+        return get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as e:  # target modules that match nothing
+        raise ModelDirectoryError(f"lora.targetModules {lora.target_modules}: {e}") from e
+
+
+def linear_params(model: nn.Module, trainable: bool | None = None) -> int:
+    """Parameters of the linear layers (the matmuls), optionally only the trained or the frozen ones."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            for p in module.parameters(recurse=False):
+                if p.dim() == 2 and (trainable is None or p.requires_grad == trainable):
+                    total += p.numel()
+    return total
+
+
+def build_hf(cfg: TrainerConfig) -> Network:
+    """The configured Hugging Face model, its parameters on the meta device (buffers such as RoPE tables are
+    computed for real, they are not in the files); `materialize` fills them after the strategy shards."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    spec = cfg.model.huggingface
+    assert spec is not None
+    config = load_hf_config(spec)
+    weights = SafetensorsWeights(spec.path)
+    dtype = base_dtype(cfg)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=spec.trust_remote_code, attn_implementation="sdpa"
+        )
+    model.config.use_cache = False  # training: no KV cache (packed sequences need none either)
+    if cfg.lora is not None:
+        model = add_lora(model, cfg)
+    text = getattr(config, "text_config", config)
+    layers, hidden = text.num_hidden_layers, text.hidden_size
+    frozen, trained = linear_params(model, trainable=False), linear_params(model, trainable=True)
+    # A frozen weight costs forward and the input-gradient matmul (4 FLOPs per parameter and token), a
+    # trained one the weight gradient too (6); attention scores 12·L·d·T as for the presets.
+    def flops_per_token(seq_len: int) -> float:
+        return 4 * frozen + 6 * trained + 12 * layers * hidden * seq_len
+
+    shape_keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
+    shape = {k: getattr(text, k) for k in shape_keys if getattr(text, k, None) is not None}
+    fingerprint = {"huggingface": shape}
+    if cfg.lora is not None:
+        fingerprint["lora"] = cfg.lora.model_dump(by_alias=True, mode="json", exclude={"dropout"})
+    return Network(
+        module=model, fingerprint=fingerprint, flops_per_token=flops_per_token,
+        source=HfWeightSource(weights, cfg.seed), logits=hf_logits, adapter_only=cfg.lora is not None,
+        vocab_size=text.vocab_size,
+    )  # fmt: skip
+
+
+def hf_logits(module: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    # Position ids that restart mark packed records: transformers then masks attention between them.
+    return module(input_ids=inputs, position_ids=positions, use_cache=False).logits

@@ -1,8 +1,10 @@
 """Entry point run by torchrun in every pod: `python -m sharded_trainer --config FILE [key=value ...]`.
 
-`python -m sharded_trainer export --config FILE --checkpoint DIR --out model.safetensors` consolidates a
-checkpoint into one file. Exit codes (`contract.ExitCode`): 0 done, 2 invalid config (before any process
-group starts), 75 stopped by SIGTERM after a final checkpoint.
+`python -m sharded_trainer export --config FILE --checkpoint DIR --out PATH [--merge]` consolidates
+a checkpoint: a preset's into one safetensors file, a Hugging Face model's into a Hugging Face directory (with
+LoRA: the adapter in peft's format, and with --merge the merged model under PATH/merged).
+Exit codes (`contract.ExitCode`): 0 done, 2 invalid config (before any process group starts), 75 stopped
+by SIGTERM after a final checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def _export_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sharded_trainer export", description="consolidate a checkpoint")
     p.add_argument("--config", required=True, help="the config the checkpoint was trained with")
     p.add_argument("--checkpoint", required=True, help="a step directory, or the root (newest is used)")
-    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--out", required=True, help="output: a .safetensors file (presets), a directory (Hugging Face)")
+    p.add_argument("--merge", action="store_true", help="LoRA: also write the adapters merged into the model")
     return p
 
 
@@ -70,7 +73,7 @@ def _main(argv: list[str]) -> int:
     if export:
         from sharded_trainer.export import export_checkpoint
 
-        out = export_checkpoint(cfg, args.checkpoint, args.out)
+        out = export_checkpoint(cfg, args.checkpoint, args.out, merge=args.merge)
         print(f"wrote {out}")
         return ExitCode.OK
 

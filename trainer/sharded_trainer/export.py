@@ -8,6 +8,7 @@ import torch
 
 from sharded_trainer.checkpoint import resolve_step_dir
 from sharded_trainer.config import TrainerConfig
+from sharded_trainer.hf_export import export_hf
 from sharded_trainer.model import build_model
 from sharded_trainer.strategies import strategy_class
 
@@ -17,7 +18,9 @@ def load_model_state(cfg: TrainerConfig, directory: Path) -> dict[str, torch.Ten
     return strategy_class(cfg.strategy.type).full_model_state(build_model(cfg), directory)
 
 
-def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str) -> Path:
+def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str, *, merge: bool = False) -> Path:
+    if cfg.model.huggingface is not None:
+        return export_hf(cfg, checkpoint, out, merge=merge)
     from safetensors.torch import save_file
 
     directory = resolve_step_dir(checkpoint)

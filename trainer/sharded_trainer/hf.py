@@ -182,6 +182,8 @@ def build_hf(cfg: TrainerConfig) -> Network:
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=spec.trust_remote_code, attn_implementation="sdpa"
         )
+    # Tying assigns a parameter, which the meta context above turned into a new one: tie again outside it.
+    model.tie_weights()
     model.config.use_cache = False  # training: no KV cache (packed sequences need none either)
     if cfg.lora is not None:
         model = add_lora(model, cfg)

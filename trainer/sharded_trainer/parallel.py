@@ -130,7 +130,17 @@ def materialize(module: nn.Module, device: torch.device, source: WeightSource) -
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    # A parameter registered twice (tied input and output embeddings) comes out of to_empty as two
+    # parameters: remember where each one is registered and tie them again.
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for key, p in m._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((m, key))
     module.to_empty(device=device)
+    for (first, key), *rest in (v for v in places.values() if len(v) > 1):
+        for m, other in rest:
+            setattr(m, other, getattr(first, key))
     with torch.no_grad():
         for name, b in module.named_buffers():
             b.copy_(buffers[name])

@@ -95,6 +95,8 @@ class Zero2Strategy:
         self.layout = f"optimizer state and gradients in {env.world} partitions"
         self.engine = apply_zero2(net, cfg=cfg, device=env.device)
         self.model = self.engine.module
+        if net.adapter_only:
+            self._save_adapters_only()
         self.loss = loss_function(cfg.strategy.zero2.compile)
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,6 +109,21 @@ class Zero2Strategy:
             total += loss.detach()
         norm = self.engine.get_global_grad_norm()
         return total / len(micro_batches), None if norm is None else torch.as_tensor(norm)
+
+    def _save_adapters_only(self) -> None:
+        """DeepSpeed's exclude_frozen_parameters drops frozen parameters by their first name only: a tied
+        output head (the frozen embedding under a second name) would still be saved. Drop every name of
+        every frozen parameter."""
+        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        module_state_dict = self.engine.module_state_dict
+
+        def adapters_only(*args, **kwargs):
+            state = module_state_dict(*args, **kwargs)
+            for name in frozen & set(state):
+                del state[name]
+            return state
+
+        self.engine.module_state_dict = adapters_only
 
     def eval_loss(self, batch: Batch) -> tuple[float, int]:
         return held_out_loss(self.net, self.engine, self.loss, batch, self.env.device)

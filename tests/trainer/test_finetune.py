@@ -1,0 +1,176 @@
+"""Fine-tuning Hugging Face models under real torchrun (2 agents x 2 processes, gloo): tiny random models of
+transformers' own architectures and a chat task, full fine-tuning and LoRA under both strategies, exact resume
+after SIGTERM and on another world size, and exports that transformers and peft load."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers.hfmodels import ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
+from helpers.torchrun_jobs import ROOT, run_job, start_agents, wait_agents, write_config
+from sharded_trainer.checkpoint import committed_steps, step_dir
+from sharded_trainer.contract import ExitCode
+
+pytestmark = pytest.mark.trainer
+CHANCE = math.log(47)  # the test tokenizer's vocabulary
+
+
+@pytest.fixture(scope="module")
+def claim(tmp_path_factory):
+    """A claim holding a model of each architecture and the chat records, as a job's pods would mount it."""
+    root = tmp_path_factory.mktemp("claim")
+    for i, arch in enumerate(ARCHITECTURES):
+        write_model(root / "models" / arch, arch, seed=i, shards=arch == "llama")
+    write_chat_data(root / "data" / "chat.jsonl", 400, system_every=5)
+    return root
+
+
+def finetune_config(tmp, claim, arch: str, **overrides):
+    base = {
+        "model": {"preset": None, "huggingface": {"path": str(claim / "models" / arch)}},
+        "data": {"source": "jsonl", "path": str(claim / "data" / "chat.jsonl"), "evalFraction": 0.1, "evalEvery": 20},
+        "steps": 60, "seqLen": 32, "microBatchSize": 4, "logEvery": 5,
+        "optimizer": {"lr": 0.01, "weightDecay": 0.0}, "schedule": {"warmupSteps": 2},
+        "checkpoint": {"dir": str(tmp / "ckpt"), "interval": 20, "keepLast": 10},
+    }  # fmt: skip
+    return write_config(tmp, **{**flatten(base), **overrides})
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def answers_right(model, tokenizer) -> int:
+    return sum(greedy_answer(model, tokenizer, k) == answer(k) for k in range(40))
+
+
+@pytest.fixture(scope="module")
+def full_fsdp(claim, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full-fsdp")
+    config = finetune_config(tmp, claim, "llama", exportOnSuccess=True)
+    return tmp, run_job(tmp, config, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def lora_zero2(claim, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora-zero2")
+    config = finetune_config(tmp, claim, "gemma", **{"strategy.type": "zero2", "lora.r": 8, "lora.alpha": 16,
+                                                    "exportOnSuccess": True})  # fmt: skip
+    return tmp, config, run_job(tmp, config, timeout=600, env={"DS_ACCELERATOR": "cpu"})
+
+
+def test_full_fine_tuning_learns_the_chat_task_and_the_export_answers(full_fsdp, claim):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp, run = full_fsdp
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    losses = run.losses()
+    assert losses[5] > 0.5 * CHANCE and losses[60] < 0.3, losses  # answers only: chance is ln(vocab)
+    evals = [m for m in run.metrics if m.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [20, 40, 60] and evals[-1]["eval_loss"] < 0.5, evals
+    progress = json.loads((tmp / "progress.json").read_text())
+    assert progress["evalLoss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-4)
+    exported = run.event("exported")
+    assert exported and exported["step"] == 60
+    model = AutoModelForCausalLM.from_pretrained(exported["path"])
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert answers_right(model, AutoTokenizer.from_pretrained(exported["path"])) >= 36
+    # The base it started from answers nothing: the export holds what was learned.
+    base = AutoModelForCausalLM.from_pretrained(str(claim / "models" / "llama"))
+    assert answers_right(base, AutoTokenizer.from_pretrained(str(claim / "models" / "llama"))) <= 4
+
+
+def test_records_are_tokenized_once_into_the_claim(full_fsdp):
+    tmp, run = full_fsdp
+    tokenized = [m for m in run.metrics if m.get("event") == "tokenized"]
+    assert len(tokenized) == 1, "one rank of the job tokenizes; the others read its cache"
+    [cache] = (tmp / "ckpt" / "tokenized").iterdir()
+    meta = json.loads((cache / "meta.json").read_text())
+    # Response-only loss: each answer is two words and the turn's end marker, nothing of the prompt.
+    assert meta["records"] == 400 and meta["trainedTokens"] == 3 * 400
+
+
+def test_lora_under_zero2_checkpoints_only_the_adapters_and_exports_them_for_peft(lora_zero2, claim):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp, config, run = lora_zero2
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    losses = run.losses()
+    assert losses[60] < 0.5 < losses[5], losses
+    saved = torch.load(step_dir(tmp / "ckpt", 60) / "zero2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert saved["module"] and all(".lora_" in k for k in saved["module"]), sorted(saved["module"])[:5]
+    exported = run.event("exported")["path"]
+    adapter = json.loads((tmp / "ckpt" / "export" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["base_model_name_or_path"] == str(claim / "models" / "gemma")
+    base_dir = str(claim / "models" / "gemma")
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), exported)
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert answers_right(tuned, tokenizer) >= 36
+    # On request, the adapters merged into a plain model, through the command-line export.
+    merged = tmp / "merged-export"
+    subprocess.run(
+        [sys.executable, "-m", "sharded_trainer", "export", "--config", str(config), "--checkpoint",
+         str(tmp / "ckpt"), "--out", str(merged), "--merge"],
+        check=True, cwd=ROOT, capture_output=True, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    plain = AutoModelForCausalLM.from_pretrained(str(merged / "merged"))
+    assert answers_right(plain, AutoTokenizer.from_pretrained(str(merged / "merged"))) >= 36
+
+
+def test_lora_under_fsdp_resumes_exactly_after_sigterm_and_on_another_world(claim, tmp_path):
+    """The reference runs uninterrupted; the second is stopped mid-epoch as a pod deletion would and resumed
+    on the same world (every loss after the resume equals the reference's), then its checkpoint is resumed on
+    one node (the adapters, their optimizer state and the data position carry over)."""
+    overrides = {"lora.r": 8, "lora.alpha": 16, "steps": 30, "checkpoint.interval": 100, "logEvery": 1,
+                 "data.evalFraction": 0.0, "data.evalEvery": None}  # fmt: skip
+    ref_tmp, stop_tmp = tmp_path / "reference", tmp_path / "stopped"
+    reference = run_job(ref_tmp, finetune_config(ref_tmp, claim, "mistral", **overrides), timeout=600)
+    assert reference.returncodes == [0, 0], reference.output[-3000:]
+
+    config = finetune_config(stop_tmp, claim, "mistral", **overrides)
+    log_dir = stop_tmp / "logs-a"
+    log_dir.mkdir()
+    agents = start_agents(config, log_dir=log_dir)
+    progress = stop_tmp / "progress.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= 8:
+            break
+        time.sleep(0.2)
+    for a in agents:
+        a.send_signal(15)
+    stopped = wait_agents(agents, log_dir, timeout=120)
+    assert stopped.returncodes == [ExitCode.PREEMPTED] * 2, stopped.output[-3000:]
+    [at] = committed_steps(stop_tmp / "ckpt")
+    assert 8 <= at < 30
+    state = json.loads((step_dir(stop_tmp / "ckpt", at) / "trainer.json").read_text())
+    assert state["data"]["consumed"] == at * 4 * 4
+
+    resumed = run_job(stop_tmp, config, timeout=600)
+    assert resumed.returncodes == [0, 0], resumed.output[-3000:]
+    assert resumed.event("resumed")["step"] == at
+    ref_losses, new_losses = reference.losses(), resumed.losses()
+    assert sorted(new_losses) == list(range(at + 1, 31))
+    for step, loss in new_losses.items():
+        assert loss == pytest.approx(ref_losses[step], rel=1e-4, abs=1e-5), (step, loss, ref_losses[step])
+
+    # The same checkpoint on one node of two processes: the batch per step halves, training goes on from it.
+    one = run_job(stop_tmp, finetune_config(stop_tmp, claim, "mistral", **{**overrides, "steps": 30 + 10}),
+                  nodes=1, timeout=600)  # fmt: skip
+    assert one.returncodes == [0], one.output[-3000:]
+    assert one.event("resumed") == {**one.event("resumed"), "step": 30, "from_world": 4, "world": 2}
+    assert max(one.losses().values()) < 1.0, one.losses()

@@ -63,7 +63,7 @@ def test_packing_keeps_records_apart(tmp_path, tokenizer_dir):
             continue  # the padding after the last record
         # Inputs and the last target of each segment are one whole record: nothing shifts across records.
         last = targets[b - 1]
-        assert last != IGNORE and tuple(inputs[a:b]) + (last,) in records
+        assert last != IGNORE and (*inputs[a:b].tolist(), last) in records
         trained = targets[a:b] != IGNORE
         assert np.array_equal(targets[a : b - 1][trained[:-1]], inputs[a + 1 : b][trained[:-1]])
 

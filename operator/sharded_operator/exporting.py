@@ -1,6 +1,7 @@
-"""The pod that consolidates a job's checkpoint into one safetensors file on its claim, built from one of the
-job's own training pods: the same image, trainer config, claim, user and placement, no GPU, no network role.
-Pure; `client.Client.export` creates it and waits for it."""
+"""The pod that consolidates a job's checkpoint on its claim (a preset's into one safetensors file, a Hugging
+Face model's into a Hugging Face directory), built from one of the job's own training pods: the same image,
+trainer config, claims, user and placement, no GPU, no network role. Pure; `client.Client.export` creates it
+and waits for it."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ class ExportError(ValueError):
     """The job cannot be exported as it stands (no checkpoint storage, no pod to take the settings from)."""
 
 
-def export_path(step: int) -> str:
-    """Where the file lands, relative to the job's directory on its claim."""
-    return f"{EXPORT_DIR}/{step_dir_name(step)}.safetensors"
+def export_path(step: int, huggingface: bool = False) -> str:
+    """Where the export lands, relative to the job's directory on its claim: a file, or a Hugging Face
+    directory for a Hugging Face model."""
+    return f"{EXPORT_DIR}/{step_dir_name(step)}" + ("" if huggingface else ".safetensors")
 
 
 def export_pod(job: ShardedTrainingJob, training_pod: dict[str, Any], step: int, suffix: str) -> dict[str, Any]:
@@ -38,7 +40,10 @@ def export_pod(job: ShardedTrainingJob, training_pod: dict[str, Any], step: int,
     command = trainer["command"]
     config = command[command.index("--config") + 1]
     root = mounts["checkpoints"]["mountPath"]
-    volumes = [copy.deepcopy(v) for v in spec["volumes"] if v["name"] in ("trainer-config", "checkpoints")]
+    huggingface = job.spec.trainer.model.huggingface is not None
+    # A Hugging Face export reads the base model (and tokenizer) again: the user's own volumes hold it.
+    kept = {"trainer-config", "checkpoints", *(v["name"] for v in job.spec.pod.volumes if "name" in v)}
+    volumes = [copy.deepcopy(v) for v in spec["volumes"] if v["name"] in kept]
     # Host memory for the whole model in fp32: the training pod's CPU and memory, none of its devices.
     requests = {k: v for k, v in (trainer.get("resources", {}).get("requests") or {}).items() if k in ("cpu", "memory")}
     container = {
@@ -46,9 +51,9 @@ def export_pod(job: ShardedTrainingJob, training_pod: dict[str, Any], step: int,
         "image": trainer["image"],
         "command": ["python", "-m", "sharded_trainer", "export", "--config", config,
                     "--checkpoint", posixpath.join(root, step_dir_name(step)),
-                    "--out", posixpath.join(root, export_path(step))],
+                    "--out", posixpath.join(root, export_path(step, huggingface))],
         "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
-        "volumeMounts": [copy.deepcopy(mounts[n]) for n in ("trainer-config", "checkpoints") if n in mounts],
+        "volumeMounts": [copy.deepcopy(m) for n, m in mounts.items() if n in kept],
         "securityContext": restricted({"drop": ["ALL"]}),
         **({"resources": {"requests": requests, "limits": dict(requests)}} if requests else {}),
     }  # fmt: skip
@@ -79,7 +84,9 @@ def export_pod(job: ShardedTrainingJob, training_pod: dict[str, Any], step: int,
 
 
 def location(pod: dict[str, Any], step: int) -> str:
-    """`claim:path` of the file an export pod writes."""
+    """`claim:path` of what an export pod writes."""
     claim = next(v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if v["name"] == "checkpoints")
-    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "checkpoints")
-    return f"{claim}:{posixpath.join(mount.get('subPath', ''), export_path(step))}"
+    container = pod["spec"]["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "checkpoints")
+    out = container["command"][container["command"].index("--out") + 1]
+    return f"{claim}:{posixpath.join(mount.get('subPath', ''), posixpath.relpath(out, mount['mountPath']))}"

@@ -364,3 +364,44 @@ def test_the_cli_submits_follows_every_nodes_log_and_kubectl_reads_logs_through_
     assert ours[("sharded_training_checkpoint_step", None)] == 20 and ours[("sharded_training_loss", None)] > 0
     assert 0 <= ours[("sharded_training_checkpoint_age_seconds", None)] < 300
     assert ours[("sharded_training_phase", "Succeeded")] == 1 and ours[("sharded_training_phase", "Running")] == 0
+
+
+def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(jobs, stack):
+    """A model directory and chat records on a claim of their own, mounted into every pod: the job tokenizes
+    them once, trains adapters across two pods, evaluates on held-out records and exports the adapter next to
+    its checkpoints, which peft loads."""
+    from helpers.hfmodels import write_chat_data, write_model
+
+    name, claim = "e2e-lora", "finetune-inputs"
+    stack.cluster.api("POST", f"/api/v1/namespaces/{NS}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+    wait_for(lambda: stack.cluster.api("GET", f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{claim}")
+             .get("status", {}).get("phase") == "Bound", timeout=60, what="inputs claim bound")  # fmt: skip
+    inputs = stack.claim_dir(NS, claim)
+    write_model(inputs / "model", "llama")
+    write_chat_data(inputs / "chat.jsonl", 400)
+    body = job(name, steps=40, pod={
+        "volumes": [{"name": "inputs", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+        "volumeMounts": [{"name": "inputs", "mountPath": "/inputs", "readOnly": True}],
+    })  # fmt: skip
+    body["spec"]["trainer"] = {
+        "model": {"huggingface": {"path": "/inputs/model"}},
+        "data": {"source": "jsonl", "path": "/inputs/chat.jsonl", "evalFraction": 0.1, "evalEvery": 20},
+        "lora": {"r": 8, "alpha": 16}, "exportOnSuccess": True, "steps": 40, "microBatchSize": 4, "seqLen": 32,
+        "precision": "fp32", "optimizer": {"lr": 0.01, "weightDecay": 0.0}, "logEvery": 5,
+    }  # fmt: skip
+    jobs.create(body)
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=420, what="finished")
+    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["progress"]["loss"] < 1.0 and status["progress"]["evalLoss"] < 1.5, status["progress"]
+    assert status["export"]["step"] == 40, status
+    exported = stack.claim_dir(NS, f"{name}-checkpoints") / name / "export"
+    assert status["export"]["path"].endswith("/export")
+    adapter = json.loads((exported / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and (exported / "adapter_model.safetensors").is_file()
+    assert "ExportWritten" in jobs.event_reasons(name)
+    # One rank tokenized, into the checkpoint claim, once.
+    assert len(list((stack.claim_dir(NS, f"{name}-checkpoints") / name / "tokenized").iterdir())) == 1

@@ -370,3 +370,19 @@ def test_an_export_pod_is_a_training_pod_without_devices_or_rendezvous():
     bare = make_job("bare").model()
     with pytest.raises(ExportError, match="no checkpoint storage"):
         export_pod(bare, builders.build_pod(bare, 0, 1, SETTINGS), 10, suffix="x")
+
+
+def test_a_hugging_face_export_pod_mounts_the_model_again_and_writes_a_directory():
+    from sharded_operator.exporting import export_pod, location
+
+    models = {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    job = make_job("ft", "team").spec("checkpoint", {"volumeClaim": {"size": "1Ti"}}).spec(
+        "trainer.model", {"huggingface": {"path": "/models/qwen"}}).spec("pod.volumes", [models]).spec(
+        "pod.volumeMounts", [{"name": "models", "mountPath": "/models", "readOnly": True}]).model()  # fmt: skip
+    pod = export_pod(job, builders.build_pod(job, 0, 1, SETTINGS), 40, suffix="40-abcde")
+    [c] = pod["spec"]["containers"]
+    root = job.spec.checkpoint.mount_path
+    assert c["command"][c["command"].index("--out") + 1] == f"{root}/exports/step-00000040"
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {"trainer-config", "checkpoints", "models"}
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert location(pod, 40) == "ft-checkpoints:ft/exports/step-00000040"

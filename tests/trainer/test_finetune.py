@@ -176,3 +176,39 @@ def test_lora_under_fsdp_resumes_exactly_after_sigterm_and_on_another_world(clai
     assert one.returncodes == [0], one.output[-3000:]
     assert one.event("resumed") == {**one.event("resumed"), "step": 30, "from_world": 4, "world": 2}
     assert max(one.losses().values()) < 1.0, one.losses()
+
+
+def test_a_plain_hugging_face_trainer_script_reports_and_checkpoints_on_sigterm(claim, tmp_path):
+    """examples/hf_trainer_script.py with ShardedCallback: progress (and a heartbeat each step) reaches the
+    report target, SIGTERM ends in a checkpoint at the step every rank agreed on and exit code 75 for the
+    operator, and the next start resumes from that checkpoint."""
+    script = [str(ROOT / "examples" / "hf_trainer_script.py")]
+    config = finetune_config(tmp_path, claim, "llama", steps=30, **{"checkpoint.interval": 10, "logEvery": 2})
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    env = {"SHARDED_PROGRESS_FILE": str(tmp_path / "progress.json"), "SHARDED_EXIT_DIR": str(exits)}
+    log_dir = tmp_path / "logs-a"
+    log_dir.mkdir()
+    agents = start_agents(config, nodes=1, script=script, log_dir=log_dir, env=env)
+    progress = tmp_path / "progress.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= 3:
+            break
+        time.sleep(0.1)
+    for a in agents:
+        os.killpg(a.pid, signal.SIGTERM)
+    stopped = wait_agents(agents, log_dir, timeout=120)
+    assert sorted(p.read_text() for p in exits.iterdir()) == ["75", "75"], stopped.output[-3000:]
+    report = json.loads(progress.read_text())
+    at = report["lastCheckpoint"]["step"]
+    assert 3 <= at < 30 and report["totalSteps"] == 30
+    assert (tmp_path / "ckpt" / f"checkpoint-{at}" / "trainer_state.json").is_file()
+
+    resumed = run_job(tmp_path, config, nodes=1, script=script, env=env, timeout=600)
+    assert resumed.returncodes == [0], resumed.output[-3000:]
+    state = json.loads((tmp_path / "ckpt" / "checkpoint-30" / "trainer_state.json").read_text())
+    steps = [e["step"] for e in state["log_history"] if "loss" in e]
+    assert steps == sorted(set(steps)) and steps[-1] == 30  # one history, continued from the checkpoint
+    final = json.loads(progress.read_text())
+    assert final["step"] == 30 and final["lastCheckpoint"]["step"] == 30 and final["loss"] < 3.0

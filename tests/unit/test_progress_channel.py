@@ -12,10 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sharded_trainer import __main__ as trainer_main
 from sharded_trainer import reporting
 from sharded_trainer.contract import MAX_REPORT_BYTES, PodEnv, TrainerEventType
-from sharded_trainer.reporting import ProgressReporter, ReportTarget
+from sharded_trainer.reporting import ProgressReporter, ReportTarget, target_from_env
 
 UID = "0b5e3c1e-6f7a-4d1e-9a51-3c2b9d8f7e10"
 
@@ -148,7 +147,7 @@ def test_the_pod_environment_names_the_target_and_its_token(monkeypatch, capsys)
     monkeypatch.setenv(PodEnv.ATTEMPT, "2")
     monkeypatch.setenv(PodEnv.CONTRACT_VERSION, "1")
     monkeypatch.setenv(PodEnv.PROGRESS_TOKEN_FILE, "/var/run/token")
-    assert trainer_main._report_target() == ReportTarget("http://op/progress", UID, "", "", 2, "/var/run/token")
+    assert target_from_env() == ReportTarget("http://op/progress", UID, "", "", 2, "/var/run/token")
     monkeypatch.setenv(PodEnv.CONTRACT_VERSION, "9")
-    assert trainer_main._report_target() is None
+    assert target_from_env() is None
     assert "reads progress reports of version 9" in capsys.readouterr().err

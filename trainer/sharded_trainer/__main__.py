@@ -10,13 +10,12 @@ by SIGTERM after a final checkpoint.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from sharded_trainer.config import ConfigError, load_config
-from sharded_trainer.contract import CONTRACT_VERSION, ExitCode, PodEnv
+from sharded_trainer.contract import ExitCode
 from sharded_trainer.launch import record_exit
-from sharded_trainer.reporting import ReportTarget
+from sharded_trainer.reporting import target_from_env
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,29 +32,6 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output: a .safetensors file (presets), a directory (Hugging Face)")
     p.add_argument("--merge", action="store_true", help="LoRA: also write the adapters merged into the model")
     return p
-
-
-def _report_target() -> ReportTarget | None:
-    """Where rank 0 posts progress: set by the operator in every pod, absent elsewhere."""
-    url, uid = os.environ.get(PodEnv.PROGRESS_URL), os.environ.get(PodEnv.JOB_UID)
-    if not url or not uid:
-        return None
-    version = int(os.environ.get(PodEnv.CONTRACT_VERSION, CONTRACT_VERSION))
-    if version != CONTRACT_VERSION:
-        print(
-            f"warning: the operator reads progress reports of version {version}, this trainer writes "
-            f"{CONTRACT_VERSION}: progress will not reach the job's status until their releases match",
-            file=sys.stderr,
-        )
-        return None
-    return ReportTarget(
-        url=url,
-        uid=uid,
-        namespace=os.environ.get(PodEnv.JOB_NAMESPACE, ""),
-        name=os.environ.get(PodEnv.JOB_NAME, ""),
-        attempt=int(os.environ.get(PodEnv.ATTEMPT, "0")),
-        token_file=os.environ.get(PodEnv.PROGRESS_TOKEN_FILE),
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +59,7 @@ def _main(argv: list[str]) -> int:
 
     env = init_distributed(cfg.backend)
     try:
-        return train(cfg, env, _report_target())
+        return train(cfg, env, target_from_env())
     finally:
         shutdown()
 

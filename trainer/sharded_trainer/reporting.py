@@ -48,6 +48,27 @@ class ReportTarget:
     token_file: str | None = None
 
 
+def target_from_env() -> ReportTarget | None:
+    """Where rank 0 posts progress: set by the operator in every pod, absent elsewhere (or when the operator
+    reads another contract version, said once on stderr)."""
+    from sharded_trainer.contract import CONTRACT_VERSION, PodEnv
+
+    url, uid = os.environ.get(PodEnv.PROGRESS_URL), os.environ.get(PodEnv.JOB_UID)
+    if not url or not uid:
+        return None
+    version = int(os.environ.get(PodEnv.CONTRACT_VERSION, CONTRACT_VERSION))
+    if version != CONTRACT_VERSION:
+        log(
+            f"the operator reads progress reports of version {version}, this trainer writes {CONTRACT_VERSION}: "
+            "progress will not reach the job's status until their releases match"
+        )
+        return None
+    return ReportTarget(
+        url=url, uid=uid, namespace=os.environ.get(PodEnv.JOB_NAMESPACE, ""), name=os.environ.get(PodEnv.JOB_NAME, ""),
+        attempt=int(os.environ.get(PodEnv.ATTEMPT, "0")), token_file=os.environ.get(PodEnv.PROGRESS_TOKEN_FILE),
+    )  # fmt: skip
+
+
 MIN_INTERVAL = 1.0  # seconds between posts; the operator limits each pod's rate too
 
 
@@ -58,7 +79,7 @@ def log(msg: str) -> None:
 class ProgressReporter:
     """Rank 0's progress and events: rewritten atomically to `path` and, in a pod, posted to the operator."""
 
-    def __init__(self, target: ReportTarget | None, *, total_steps: int, path: str | None = None):
+    def __init__(self, target: ReportTarget | None, *, total_steps: int | None, path: str | None = None):
         self.target, self.path = target, Path(path) if path else None
         self.run = uuid.uuid4().hex[:12]  # tells this process's events from a restarted one's
         # torchrun's count of in-place restarts: the operator counts them in status.inPlaceRestarts.

@@ -265,5 +265,6 @@ def export_at_end(cfg: TrainerConfig, report: ProgressReporter, committed: dict)
         TrainerEventType.EXPORT_WRITTEN, f"exported step {committed['step']} as a Hugging Face directory: {written}",
         step=committed["step"], checkpoint={"step": committed["step"], "path": str(written)},
     )  # fmt: skip
+    report.update(step=committed["step"])  # events go out with an update
     report.flush()
 

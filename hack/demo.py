@@ -3,6 +3,9 @@
 Starts the local control plane, a node agent that runs pods as real processes, and the operator;
 applies examples/quickstart-cpu.yaml (2 nodes x 2 processes, FSDP2, gloo); shows progress as it
 trains; prints the final status and the checkpoint tree. `--keep` leaves everything up for kubectl.
+`--finetune` runs examples/finetune-lora-cpu.yaml instead: a tiny Hugging Face model and chat records are
+written to a claim of their own, the job fine-tunes LoRA adapters on them and exports the adapter, and the
+demo then asks the exported model the task's questions.
 `--containers` builds the operator and trainer images (hack/images.py) and runs each pod in a container
 of the trainer image, as uid 1000 with the claim's fsGroup, instead of as a process.
 """
@@ -51,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--example", default=str(ROOT / "examples" / "quickstart-cpu.yaml"))
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--containers", action="store_true", help="run the pods in containers of the trainer image")
+    parser.add_argument("--finetune", action="store_true", help="fine-tune a Hugging Face model with LoRA instead")
     args = parser.parse_args(argv)
+    if args.finetune and args.example == parser.get_default("example"):
+        args.example = str(ROOT / "examples" / "finetune-lora-cpu.yaml")
     if not can_isolate():
         say("the demo runs each pod in its own network namespace: run it as root with iproute2 (ip) installed")
         return 2
@@ -70,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     name, ns = job["metadata"]["name"], "default"
     try:
+        if args.finetune:
+            inputs = fine_tuning_inputs(stack, ns, "finetune-inputs")
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}"
         stack.cluster.api("POST", path, job)
         spec = job["spec"]
@@ -81,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             raw = stack.cluster.api("GET", f"{path}/{name}").get("status", {})
             status = ShardedTrainingJobStatus.model_validate(raw)
             prog, ck = status.progress or Progress(), status.last_checkpoint
+            evaluated = f"  eval_loss={prog.eval_loss:.4f}" if prog.eval_loss is not None else ""
             line = (
                 f"phase={status.phase}  ready={status.ready}  step={prog.step}/{prog.total_steps or '-'}  "
-                f"loss={prog.loss if prog.loss is not None else '-'}  tokens/s={prog.tokens_per_second or '-'}  "
+                f"loss={prog.loss if prog.loss is not None else '-'}{evaluated}  "
+                f"tokens/s={prog.tokens_per_second or '-'}  "
                 f"checkpoint={ck.step if ck else '-'}  restarts={status.restarts}"
             )
             if line != last:  # print only what changed
@@ -99,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"checkpoints on claim {claim} ({ckpt}):")
         print("\n".join(tree(ckpt)), flush=True)
         ok = status.phase == Phase.SUCCEEDED
+        if ok and args.finetune:
+            ok = ask_the_export(ckpt / "export", inputs / "model")
         if not ok:
             for log in sorted((workdir / "nodeagent" / "pods").glob("*/container.log")):
                 say(f"--- {log.parent.name} ---")
@@ -121,6 +133,49 @@ def main(argv: list[str] | None = None) -> int:
         say("stopped the cluster, the node agent and the operator")
     say("demo " + ("succeeded" if ok else "FAILED"))
     return 0 if ok else 1
+
+
+def fine_tuning_inputs(stack: LocalStack, ns: str, claim: str) -> Path:
+    """A claim holding a tiny Llama-architecture model (random weights, a word-level tokenizer with a chat
+    template) and 400 chat records of a task it can learn: what a user would download to a claim."""
+    import tinyhf
+
+    stack.cluster.api("POST", f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+    deadline = time.monotonic() + 60
+    while stack.cluster.api("GET", f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{claim}").get(
+            "status", {}).get("phase") != "Bound":  # fmt: skip
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"claim {claim} not bound")
+        time.sleep(0.5)
+    inputs = stack.claim_dir(ns, claim)
+    tinyhf.write_model(inputs / "model", "llama")
+    tinyhf.write_chat_data(inputs / "chat.jsonl", 400)
+    say(f"wrote a tiny Llama model and 400 chat records ('next wK' -> 'wK+1 wK+2') to claim {claim}")
+    return inputs
+
+
+def ask_the_export(export: Path, base: Path) -> bool:
+    """Load the exported adapter with peft on its base model and ask it the task's questions."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tinyhf
+
+    say(f"the export ({export}): {', '.join(sorted(p.name for p in export.iterdir()))}")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(export))
+    tokenizer = AutoTokenizer.from_pretrained(str(export))
+    right = 0
+    for k in range(len(tinyhf.WORDS)):
+        got = tinyhf.greedy_answer(model, tokenizer, k)
+        right += got == tinyhf.answer(k)
+        if k < 5:
+            print(f"  user: next w{k}   model: {got}   (expected {tinyhf.answer(k)})", flush=True)
+    say(f"the fine-tuned model answers {right} of {len(tinyhf.WORDS)} questions right")
+    return right >= len(tinyhf.WORDS) * 0.8
 
 
 if __name__ == "__main__":

@@ -370,7 +370,7 @@ def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(
     """A model directory and chat records on a claim of their own, mounted into every pod: the job tokenizes
     them once, trains adapters across two pods, evaluates on held-out records and exports the adapter next to
     its checkpoints, which peft loads."""
-    from helpers.hfmodels import write_chat_data, write_model
+    from tinyhf import write_chat_data, write_model
 
     name, claim = "e2e-lora", "finetune-inputs"
     stack.cluster.api("POST", f"/api/v1/namespaces/{NS}/persistentvolumeclaims", {

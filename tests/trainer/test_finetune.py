@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from helpers.hfmodels import ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 from helpers.torchrun_jobs import ROOT, run_job, start_agents, wait_agents, write_config
 from sharded_trainer.checkpoint import committed_steps, step_dir
+from tinyhf import ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 
 pytestmark = pytest.mark.trainer
 CHANCE = math.log(47)  # the test tokenizer's vocabulary

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.hfmodels import ARCHITECTURES, write_chat_data, write_model, write_tokenizer
 from sharded_trainer.config import DataConfig, TrainerConfig
 from sharded_trainer.data import IGNORE, ShardedLoader
 from sharded_trainer.records import DataError, RecordSource, build_cache, cache_key, is_ready, load_tokenizer
+from tinyhf import ARCHITECTURES, write_chat_data, write_model, write_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Tiny Hugging Face models of each architecture, a word-level tokenizer trained here with `tokenizers`, and a
-learnable chat task: everything a fine-tuning test needs, made locally with no network.
+"""Tiny Hugging Face models of each architecture, a word-level tokenizer built here with `tokenizers`, and a
+learnable chat task: what the fine-tuning tests and `make demo ARGS=--finetune` need, made with no network.
 
 The task: the user says `next wK`, the assistant answers `wK+1 wK+2`. Chance on the answer is ln(vocab);
 a model that learned it predicts the answer almost surely, and greedy generation reproduces it.

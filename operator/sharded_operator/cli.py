@@ -116,9 +116,13 @@ def show(job: Job, output: str) -> str:
              f"disruptions {s.disruptions})"]  # fmt: skip
     if s.progress:
         p = s.progress
-        lines.append(f"Progress:    step {p.step}/{p.total_steps or '?'}, loss {p.loss}, {p.tokens_per_second} tok/s")
+        held_out = f", eval loss {p.eval_loss}" if p.eval_loss is not None else ""
+        lines.append(f"Progress:    step {p.step}/{p.total_steps or '?'}, loss {p.loss}{held_out}, "
+                     f"{p.tokens_per_second} tok/s")  # fmt: skip
     if s.last_checkpoint:
         lines.append(f"Checkpoint:  step {s.last_checkpoint.step} at {s.last_checkpoint.path}")
+    if s.export:
+        lines.append(f"Export:      step {s.export.step} at {s.export.path}")
     if s.last_failure:
         lines.append(f"Last failure: {s.last_failure.reason} {s.last_failure.message}".rstrip())
     lines.append("Conditions:")
@@ -191,7 +195,8 @@ def parser() -> argparse.ArgumentParser:
         sub.add_parser(verb, help=f"{verb} a job (its pods are deleted / recreated; checkpoints stay)").add_argument(
             "name"
         )
-    ex = sub.add_parser("export", help="consolidate a checkpoint into one safetensors file on the job's claim")
+    ex = sub.add_parser("export", help="consolidate a checkpoint on the job's claim (one safetensors file; "
+                        "a Hugging Face directory for a Hugging Face model)")
     ex.add_argument("name")
     ex.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     ex.add_argument("--timeout", type=duration, default=1800, help="e.g. 30m (default 30m)")

@@ -298,3 +298,15 @@ def test_a_report_with_an_out_of_range_size_or_restart_count_is_refused_by_the_c
 def test_the_rounds_size_and_global_batch_reach_the_status():
     merged, _ = merge_report(ShardedTrainingJobStatus(attempt=1), report(nodes=2, globalBatchSize=48), iso(NOW))
     assert merged["progress"]["nodes"] == 2 and merged["progress"]["globalBatchSize"] == 48
+
+
+def test_the_export_and_the_held_out_loss_show_in_status():
+    export = {"step": 60, "path": "/checkpoints/j/export"}
+    written = event(1, TrainerEventType.EXPORT_WRITTEN, step=60, checkpoint=export)
+    fields, events = merge_report(status(), report(step=60, evalLoss=0.25, events=[written]), iso(NOW))
+    assert fields["export"] == export and fields["progress"]["evalLoss"] == 0.25
+    assert events == [("Normal", "ExportWritten", "event 1")]
+    # Only reports write it: a reconcile's status patch never names it.
+    from sharded_operator.progress import REPORT_FIELDS
+
+    assert "export" in REPORT_FIELDS

@@ -28,15 +28,27 @@ def answer(k: int) -> str:
     return f"w{(k + 1) % len(WORDS)} w{(k + 2) % len(WORDS)}"
 
 
-def write_tokenizer(directory: Path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def write_tokenizer(directory: Path, *, byte_level: bool = False):
+    """A word-level tokenizer (one token per word), or with `byte_level` a byte-level BPE trained here on the
+    task's words, as Qwen's tokenizers are: transformers gives a Qwen model directory its own tokenizer
+    class, which reads a byte-level BPE's vocabulary and merges but not a word-level vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate([*SPECIAL, "next", *WORDS, "[UNK]"])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
+        tok.train_from_iterator([" ".join(["next", *WORDS])] * 10, trainer)
+    else:
+        vocab = {t: i for i, t in enumerate([*SPECIAL, "next", *WORDS, "[UNK]"])}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="[UNK]",
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token=None if byte_level else "[UNK]",
         additional_special_tokens=SPECIAL[2:],
     )  # fmt: skip
     fast.chat_template = CHAT_TEMPLATE
@@ -64,8 +76,9 @@ def write_model(directory: Path, arch: str, *, seed: int = 0, shards: bool = Fal
     from transformers import AutoModelForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_tokenizer(directory)
-    config = model_config(arch, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+    tokenizer = write_tokenizer(directory, byte_level=arch.startswith("qwen"))
+    # A few spare rows: a model type's own tokenizer class may add a token of its own.
+    config = model_config(arch, len(tokenizer) + 8, pad_token_id=tokenizer.pad_token_id,
                           eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -91,8 +104,11 @@ def greedy_answer(model, tokenizer, k: int) -> str:
     """The model's greedy completion of question k, as words (special tokens dropped)."""
     import torch
 
-    prompt = tokenizer.apply_chat_template(question(k), tokenize=False, add_generation_prompt=True)
+    # Without the template's trailing space: a byte-level BPE merges it into the answer's first token.
+    prompt = tokenizer.apply_chat_template(question(k), tokenize=False, add_generation_prompt=True).rstrip()
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=end)  # fmt: skip
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()

@@ -197,3 +197,17 @@ def test_each_architecture_loads_as_transformers_loads_it(tmp_path, arch):
     for name, p in net.module.named_parameters():
         half = (0, p.shape[0] // 2)
         assert torch.equal(net.source.read(name, p.shape, half, p.dtype), p.detach()[: half[1]])
+
+
+def test_with_a_byte_level_tokenizer_the_answers_first_token_is_trained_on(tmp_path):
+    """A byte-level BPE merges the space the template puts before the answer into the answer's first token
+    (`Ġw`), which so starts before the answer: it still carries a loss, or the model never learns to begin."""
+    from sharded_trainer.records import tokenize
+
+    write_tokenizer(tmp_path, byte_level=True)
+    tok = load_tokenizer(str(tmp_path))
+    messages = [{"role": "user", "content": "next w7"}, {"role": "assistant", "content": "w8 w9"}]
+    ids, trained = tokenize(tok, "record", {"messages": messages}, response_only=True)
+    answer = [i for i, t in zip(ids, trained, strict=True) if t]
+    assert tok.convert_ids_to_tokens(answer[0]) == "Ġw"
+    assert tok.decode(answer).strip() == "w8 w9 <|end|>"

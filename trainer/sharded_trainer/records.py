@@ -113,7 +113,9 @@ def _chat(tokenizer, where: str, messages: list, response_only: bool) -> tuple[l
     ids = enc["input_ids"]
     if not response_only:
         return ids, [True] * len(ids)
-    trained = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+    # A token that overlaps an answer is trained on: a byte-level BPE merges the space the template puts
+    # before the answer into the answer's first token, which then starts before the answer's span.
+    trained = [any(start < b and end > a for a, b in spans) for start, end in enc["offset_mapping"]]
     return ids, trained
 
 

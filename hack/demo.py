@@ -140,18 +140,7 @@ def fine_tuning_inputs(stack: LocalStack, ns: str, claim: str) -> Path:
     template) and 400 chat records of a task it can learn: what a user would download to a claim."""
     import tinyhf
 
-    stack.cluster.api("POST", f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })  # fmt: skip
-    deadline = time.monotonic() + 60
-    while stack.cluster.api("GET", f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{claim}").get(
-            "status", {}).get("phase") != "Bound":  # fmt: skip
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"claim {claim} not bound")
-        time.sleep(0.5)
-    inputs = stack.claim_dir(ns, claim)
+    inputs = stack.new_claim(ns, claim)
     tinyhf.write_model(inputs / "model", "llama")
     tinyhf.write_chat_data(inputs / "chat.jsonl", 400)
     say(f"wrote a tiny Llama model and 400 chat records ('next wK' -> 'wK+1 wK+2') to claim {claim}")

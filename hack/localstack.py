@@ -132,6 +132,22 @@ class LocalStack:
             self.agent.stop()
         self.cluster.stop()
 
+    def new_claim(self, namespace: str, claim: str, size: str = "1Gi", timeout: float = 60) -> Path:
+        """A ReadWriteMany claim bound to one of the static volumes; returns its host directory, where a test
+        or the demo puts what the pods will read (a model, records)."""
+        self.cluster.api("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                     "resources": {"requests": {"storage": size}}},
+        })  # fmt: skip
+        deadline = time.monotonic() + timeout
+        path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}"
+        while self.cluster.api("GET", path).get("status", {}).get("phase") != "Bound":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"claim {claim} not bound after {timeout:.0f}s")
+            time.sleep(0.3)
+        return self.claim_dir(namespace, claim)
+
     def claim_dir(self, namespace: str, claim: str) -> Path:
         """The host directory behind a bound claim (the static PVs are hostPath)."""
         pvc = self.cluster.api("GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")

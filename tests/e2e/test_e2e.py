@@ -373,14 +373,7 @@ def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(
     from tinyhf import write_chat_data, write_model
 
     name, claim = "e2e-lora", "finetune-inputs"
-    stack.cluster.api("POST", f"/api/v1/namespaces/{NS}/persistentvolumeclaims", {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })  # fmt: skip
-    wait_for(lambda: stack.cluster.api("GET", f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{claim}")
-             .get("status", {}).get("phase") == "Bound", timeout=60, what="inputs claim bound")  # fmt: skip
-    inputs = stack.claim_dir(NS, claim)
+    inputs = stack.new_claim(NS, claim)
     write_model(inputs / "model", "llama")
     write_chat_data(inputs / "chat.jsonl", 400)
     body = job(name, steps=40, pod={
@@ -405,3 +398,51 @@ def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(
     assert "ExportWritten" in jobs.event_reasons(name)
     # One rank tokenized, into the checkpoint claim, once.
     assert len(list((stack.claim_dir(NS, f"{name}-checkpoints") / name / "tokenized").iterdir())) == 1
+
+
+def test_a_plain_hugging_face_trainer_script_reports_and_suspends_with_a_checkpoint(jobs, stack):
+    """examples/hf_trainer_script.py as `spec.command`, from a ConfigMap: its progress reaches the job's
+    status through ShardedCallback, a suspend ends in a checkpoint at the stop step (not a periodic one),
+    and the resumed job continues from it to Succeeded without counting a failure."""
+    from tinyhf import write_chat_data, write_model
+
+    name, claim = "e2e-hf-script", "hf-script-inputs"
+    stack.cluster.api("POST", f"/api/v1/namespaces/{NS}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "hf-trainer-script"},
+        "data": {"hf_trainer_script.py": (Path(__file__).resolve().parents[2] / "examples" /
+                                          "hf_trainer_script.py").read_text()},
+    })  # fmt: skip
+    inputs = stack.new_claim(NS, claim)
+    write_model(inputs / "model", "llama")
+    write_chat_data(inputs / "chat.jsonl", 400)
+    body = job(name, steps=400, command=["python", "/scripts/hf_trainer_script.py"], pod={
+        "volumes": [{"name": "inputs", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
+                    {"name": "scripts", "configMap": {"name": "hf-trainer-script"}}],
+        "volumeMounts": [{"name": "inputs", "mountPath": "/inputs", "readOnly": True},
+                         {"name": "scripts", "mountPath": "/scripts", "readOnly": True}],
+    })  # fmt: skip
+    body["spec"]["trainer"] = {
+        "model": {"huggingface": {"path": "/inputs/model"}},
+        "data": {"source": "jsonl", "path": "/inputs/chat.jsonl"},
+        "steps": 400, "microBatchSize": 4, "seqLen": 32, "precision": "fp32", "optimizer": {"lr": 0.01},
+        "logEvery": 5,
+    }  # fmt: skip
+    body["spec"]["checkpoint"]["interval"] = 1000  # no periodic checkpoint: the only one is the stop's
+    jobs.create(body)
+    jobs.wait(name, lambda s: (s.get("progress") or {}).get("step", 0) >= 10, timeout=300, what="training")
+    jobs.patch(name, {"runPolicy": {"suspend": True}})
+    jobs.wait(name, lambda s: s.get("phase") == "Suspended", what="Suspended")
+    wait_for(lambda: not jobs.runs(name), timeout=90, what="pod processes gone")
+    status = jobs.status(name)
+    stop_step = status["lastCheckpoint"]["step"]
+    assert 10 <= stop_step < 400 and status["lastCheckpoint"]["path"].endswith(f"checkpoint-{stop_step}")
+    root = stack.claim_dir(NS, f"{name}-checkpoints") / name
+    assert (root / f"checkpoint-{stop_step}" / "trainer_state.json").is_file()
+
+    jobs.patch(name, {"runPolicy": {"suspend": False}})
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=420, what="finished")
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0, jobs.logs(name)[-3000:]
+    assert status["progress"]["step"] == 400 and status["progress"]["totalSteps"] == 400
+    state = json.loads((root / "checkpoint-400" / "trainer_state.json").read_text())
+    logged = [e["step"] for e in state["log_history"] if "loss" in e]
+    assert logged[0] == 5 and logged == sorted(set(logged)) and logged[-1] == 400  # one history: resumed

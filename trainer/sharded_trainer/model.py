@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +186,6 @@ class Network:
     source: WeightSource | None = None
     # Only the trained parameters (LoRA adapters) are checkpointed; the frozen rest comes from `source`.
     adapter_only: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def _preset_logits(module: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

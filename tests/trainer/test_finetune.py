@@ -235,3 +235,18 @@ def test_a_plain_hugging_face_trainer_script_reports_and_checkpoints_on_sigterm(
     assert steps == sorted(set(steps)) and steps[-1] == 30  # one history, continued from the checkpoint
     final = json.loads(progress.read_text())
     assert final["step"] == 30 and final["lastCheckpoint"]["step"] == 30 and final["loss"] < 3.0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model.huggingface.path": "/no/such/model"}, "model.huggingface.path /no/such/model: no config.json there"),
+        ({"data.path": "/no/such/chat.jsonl"}, "data.path /no/such/chat.jsonl: no such file or directory"),
+    ],
+)
+def test_an_unusable_model_or_data_path_is_a_permanent_failure_that_names_it(claim, tmp_path, change, message):
+    config = finetune_config(tmp_path, claim, "llama", **change)
+    proc = subprocess.run([sys.executable, "-m", "sharded_trainer", "--config", str(config)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]  # ExitCode.INVALID_CONFIG: failurePolicy's permanent default
+    assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -60,6 +60,9 @@ def _main(argv: list[str]) -> int:
     env = init_distributed(cfg.backend)
     try:
         return train(cfg, env, target_from_env())
+    except ConfigError as e:  # the model directory or the records: what the config points at is unusable
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
     finally:
         shutdown()
 

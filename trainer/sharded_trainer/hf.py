@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sharded_trainer.config import HuggingFaceModel, TrainerConfig
+from sharded_trainer.config import ConfigError, HuggingFaceModel, TrainerConfig
 from sharded_trainer.model import DTYPES, Network
 
 # Names a wrapper adds to a parameter's path that the model's own files do not have: peft's wrapper and
@@ -23,8 +23,9 @@ from sharded_trainer.model import DTYPES, Network
 _WRAPPER_PARTS = ("base_model.model.", ".base_layer", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-class ModelDirectoryError(ValueError):
-    """The model directory is missing or incomplete; the message says what to fix."""
+class ModelDirectoryError(ConfigError):
+    """The model directory is missing or incomplete; the message says what to fix (a permanent failure:
+    exit code 2, as an invalid config)."""
 
 
 def load_hf_config(spec: HuggingFaceModel):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sharded_trainer.config import DataConfig
+from sharded_trainer.config import ConfigError, DataConfig
 from sharded_trainer.data import IGNORE, _mix
 
 CACHE_VERSION = 1
@@ -28,8 +28,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
 
 
-class DataError(ValueError):
-    """A data file or record the trainer cannot use; the message names the file (and line) and the fix."""
+class DataError(ConfigError):
+    """A data file or record the trainer cannot use; the message names the file (and line) and the fix (a
+    permanent failure: exit code 2, as an invalid config)."""
 
 
 def data_files(cfg: DataConfig) -> list[Path]:

@@ -415,7 +415,7 @@ def test_a_plain_hugging_face_trainer_script_reports_and_suspends_with_a_checkpo
     inputs = stack.new_claim(NS, claim)
     write_model(inputs / "model", "llama")
     write_chat_data(inputs / "chat.jsonl", 400)
-    body = job(name, steps=400, command=["python", "/scripts/hf_trainer_script.py"], pod={
+    body = job(name, steps=400, command=["/scripts/hf_trainer_script.py"], pod={
         "volumes": [{"name": "inputs", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
                     {"name": "scripts", "configMap": {"name": "hf-trainer-script"}}],
         "volumeMounts": [{"name": "inputs", "mountPath": "/inputs", "readOnly": True},

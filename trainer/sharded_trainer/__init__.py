@@ -4,7 +4,7 @@ For a script of your own (`spec.command`), `sharded_trainer.report`, `stop_reque
 `job_config` (from `sharded_trainer.helper`) give it the operator's features; nothing is imported until used.
 """
 
-_HELPERS = ("report", "stop_requested", "exit_stopped", "job_config", "is_main")
+_HELPERS = ("report", "flush", "stop_requested", "exit_stopped", "job_config", "is_main")
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ section as a config. Import it as `sharded_trainer`:
             save_checkpoint(...)
             sharded_trainer.report(step + 1, checkpoint={"step": step + 1, "path": path})
             sharded_trainer.exit_stopped()          # 75: the operator resumes the job, no failure counted
+    sharded_trainer.flush()                         # the last report, before the process exits
 
 `sharded_trainer.hf_callback.ShardedCallback` does all of it for a Hugging Face `Trainer`.
 """
@@ -68,6 +69,12 @@ def report(
     )
 
 
+def flush() -> None:
+    """Send the newest report now (reports go out at most once a second): call it when training ends."""
+    if _reporter is not None:
+        _reporter.flush()
+
+
 def stop_requested() -> bool:
     """True once the pod is being stopped (SIGTERM or SIGINT). The first call installs the handlers: call it
     once before training. Ranks can see the signal a step apart: agree (e.g. an all-reduce of the flag)
@@ -83,6 +90,5 @@ def stop_requested() -> bool:
 def exit_stopped() -> NoReturn:
     """Exit as a worker that stopped after its final checkpoint: exit code 75, which the operator treats as a
     stop to resume from, not a failure. Sends the last report first."""
-    if _reporter is not None:
-        _reporter.flush()
+    flush()
     sys.exit(record_exit(ExitCode.PREEMPTED))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from sharded_trainer.helper import report, stop_requested
+from sharded_trainer.helper import flush, report, stop_requested
 
 
 def agreed_stop() -> bool:
@@ -46,6 +46,10 @@ class ShardedCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
         report(state.global_step, total_steps=state.max_steps, loss=logs.get("loss"), eval_loss=logs.get("eval_loss"))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        report(state.global_step, total_steps=state.max_steps)
+        flush()  # the final step reaches the job's status before the process exits
 
     def on_save(self, args, state, control, **kwargs):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

@@ -96,6 +96,23 @@ def wait_agents(agents: list[subprocess.Popen], log_dir: Path, timeout: float = 
     return Run([a.returncode for a in agents], output)
 
 
+def stop_at_step(
+    config: Path, progress: Path, step: int, log_dir: Path, *, nodes: int = 2, script=None, env=None
+) -> Run:
+    """Start the agents, and once rank 0's progress file shows `step`, SIGTERM every agent's process group
+    as the kubelet stops a pod; the run as it ended."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    agents = start_agents(config, nodes=nodes, script=script, log_dir=log_dir, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= step:
+            break
+        time.sleep(0.1)
+    for a in agents:
+        os.killpg(a.pid, signal.SIGTERM)
+    return wait_agents(agents, log_dir, timeout=120)
+
+
 def run_job(
     directory: Path, config: Path, *, nodes: int = 2, procs: int = 2, script=None, timeout=300, env=None
 ) -> Run:

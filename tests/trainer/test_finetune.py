@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from helpers.torchrun_jobs import ROOT, run_job, start_agents, wait_agents, write_config
+from helpers.torchrun_jobs import ROOT, run_job, stop_at_step, write_config
 from sharded_trainer.checkpoint import committed_steps, step_dir
 from tinyhf import ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 
@@ -166,18 +163,7 @@ def test_lora_under_fsdp_resumes_exactly_after_sigterm_and_on_another_world(clai
     assert reference.returncodes == [0, 0], reference.output[-3000:]
 
     config = finetune_config(stop_tmp, claim, "mistral", **overrides)
-    log_dir = stop_tmp / "logs-a"
-    log_dir.mkdir()
-    agents = start_agents(config, log_dir=log_dir)
-    progress = stop_tmp / "progress.json"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= 8:
-            break
-        time.sleep(0.2)
-    for a in agents:  # as the kubelet stops a pod: the whole process group
-        os.killpg(a.pid, signal.SIGTERM)
-    stopped = wait_agents(agents, log_dir, timeout=120)
+    stopped = stop_at_step(config, stop_tmp / "progress.json", 8, stop_tmp / "logs-a")
     preempted = stopped.event("preempted")
     assert preempted, stopped.output[-3000:]
     at = preempted["step"]
@@ -210,18 +196,8 @@ def test_a_plain_hugging_face_trainer_script_reports_and_checkpoints_on_sigterm(
     exits = tmp_path / "exits"
     exits.mkdir()
     env = {"SHARDED_PROGRESS_FILE": str(tmp_path / "progress.json"), "SHARDED_EXIT_DIR": str(exits)}
-    log_dir = tmp_path / "logs-a"
-    log_dir.mkdir()
-    agents = start_agents(config, nodes=1, script=script, log_dir=log_dir, env=env)
     progress = tmp_path / "progress.json"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= 3:
-            break
-        time.sleep(0.1)
-    for a in agents:
-        os.killpg(a.pid, signal.SIGTERM)
-    stopped = wait_agents(agents, log_dir, timeout=120)
+    stopped = stop_at_step(config, progress, 3, tmp_path / "logs-a", nodes=1, script=script, env=env)
     assert sorted(p.read_text() for p in exits.iterdir()) == ["75", "75"], stopped.output[-3000:]
     report = json.loads(progress.read_text())
     at = report["lastCheckpoint"]["step"]

@@ -144,6 +144,8 @@ def test_the_cache_key_follows_what_the_tokens_are_made_from(tmp_path, tokenizer
         ([{"prompt": "x"}], "needs a `text` string or a `messages` list"),
         ([{"messages": [{"role": "user"}]}], "needs a `role` and a `content` string"),
         ([], "no records"),
+        (["just a string"], "a record is a JSON object"),
+        ([[1, 2, 3]], "a record is a JSON object"),
     ],
 )
 def test_unusable_records_fail_naming_the_record(tmp_path, tokenizer_dir, records, message):
@@ -211,3 +213,15 @@ def test_with_a_byte_level_tokenizer_the_answers_first_token_is_trained_on(tmp_p
     answer = [i for i, t in zip(ids, trained, strict=True) if t]
     assert tok.convert_ids_to_tokens(answer[0]) == "Ġw"
     assert tok.decode(answer).strip() == "w8 w9 <|end|>"
+
+
+@pytest.mark.parametrize("weight_file", ["../outside.safetensors", "/etc/passwd", 7])
+def test_a_safetensors_index_cannot_point_outside_the_model_directory(tmp_path, weight_file):
+    from sharded_trainer.hf import ModelDirectoryError, SafetensorsWeights
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": weight_file}}))
+    with pytest.raises(ModelDirectoryError, match="must be in the model directory"):
+        SafetensorsWeights(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text("[not an index")
+    with pytest.raises(ModelDirectoryError, match="not a safetensors index"):
+        SafetensorsWeights(str(tmp_path))

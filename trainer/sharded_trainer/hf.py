@@ -58,7 +58,15 @@ class SafetensorsWeights:
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
-            self.files = {k: self.directory / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ModelDirectoryError(f"{index}: not a safetensors index with a weight_map ({e})") from e
+            # The index names files of this directory only: no path may lead out of it.
+            outside = sorted({f for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f})
+            if outside:
+                raise ModelDirectoryError(f"{index}: weight files must be in the model directory, got {outside[:3]}")
+            self.files = {k: self.directory / f for k, f in weight_map.items()}
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -165,12 +166,12 @@ def build_model(cfg: TrainerConfig) -> Transformer:
     return model
 
 
-class WeightSource:
+class WeightSource(Protocol):
     """Initial values of a model built on the meta device, read for the rows a process keeps."""
 
     def read(self, name: str, shape: torch.Size, rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
         """Parameter `name` (of full `shape`), only rows [rows[0], rows[1]) of its first dimension when given."""
-        raise NotImplementedError
+        ...
 
 
 @dataclass

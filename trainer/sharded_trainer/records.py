@@ -83,6 +83,8 @@ def load_tokenizer(directory: str):
 
 def tokenize(tokenizer, where: str, record: dict, response_only: bool) -> tuple[list[int], list[bool]]:
     """A record's token ids and, per token, whether it is trained on (predicted with a loss)."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record is a JSON object with `text` or `messages`, got {type(record).__name__}")
     if isinstance(record.get("messages"), list):
         return _chat(tokenizer, where, record["messages"], response_only)
     if isinstance(record.get("text"), str):

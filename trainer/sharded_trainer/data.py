@@ -37,6 +37,11 @@ class Batch(NamedTuple):
     positions: torch.Tensor | None = None
 
 
+def collate(samples: list[tuple[np.ndarray, ...]]) -> Batch:
+    """Stack the samples of a source (each a tuple of per-sequence arrays) into one micro-batch."""
+    return Batch(*(torch.from_numpy(np.stack(column).astype(np.int64)) for column in zip(*samples, strict=True)))
+
+
 class TokenSource:
     """Maps a global sample index to `seq_len + 1` tokens (inputs and shifted targets)."""
 
@@ -86,7 +91,7 @@ class ShardedLoader:
         base = self.consumed + self.rank * self.micro_batch
         samples = [self.source.sample(base + j) for j in range(self.micro_batch)]
         self.consumed += self.micro_batch * self.world
-        return Batch(*(torch.from_numpy(np.stack(column).astype(np.int64)) for column in zip(*samples, strict=True)))
+        return collate(samples)
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed}

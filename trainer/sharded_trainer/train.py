@@ -10,7 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -18,7 +17,7 @@ from sharded_trainer import records
 from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible
 from sharded_trainer.config import RECORD_SOURCES, TrainerConfig, accumulation_for, describe_batch, with_kept_batch
 from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
-from sharded_trainer.data import IGNORE, Batch, ShardedLoader, TokenSource
+from sharded_trainer.data import IGNORE, ShardedLoader, TokenSource, collate
 from sharded_trainer.metrics import Meter, emit
 from sharded_trainer.model import Network
 from sharded_trainer.network import build_network
@@ -126,7 +125,7 @@ def evaluate(strategy, source, cfg: TrainerConfig, env: DistEnv) -> float:
     for first in range(0, count, env.world * micro):
         indices = [first + env.rank * micro + j for j in range(micro)]
         rows = [source.sample(i if i < count else 0) for i in indices]
-        batch = Batch(*(torch.from_numpy(np.stack(c)) for c in zip(*rows, strict=True)))
+        batch = collate(rows)
         if all(i >= count for i in indices):
             batch = batch._replace(targets=torch.full_like(batch.targets, IGNORE))
         loss, tokens = strategy.eval_loss(batch)

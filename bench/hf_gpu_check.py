@@ -1,8 +1,8 @@
 """Fine-tuning correctness on a GPU: the tiny chat task (hack/tinyhf.py) fine-tuned in bf16 through the
-trainer (full FSDP2, LoRA FSDP2, LoRA ZeRO-2, each exported at the end), then each export loaded with
-transformers/peft and asked the task's 40 questions. Prints one `CHECK {...}` line per run.
+trainer (full FSDP2, LoRA FSDP2, LoRA ZeRO-2, QLoRA FSDP2, each exported at the end), then each export
+loaded with transformers/peft and asked the task's 40 questions. Prints one `CHECK {...}` line per run.
 
-    python bench/hf_gpu_check.py --out DIR [--procs 1]
+    python bench/hf_gpu_check.py --out DIR [--procs 1] [--runs qlora-fsdp,...]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ RUNS = {
     "full-fsdp": {"strategy": {"type": "fsdp"}},
     "lora-fsdp": {"strategy": {"type": "fsdp"}, "lora": {"r": 8, "alpha": 16}},
     "lora-zero2": {"strategy": {"type": "zero2"}, "lora": {"r": 8, "alpha": 16}},
+    "qlora-fsdp": {"strategy": {"type": "fsdp"}, "lora": {"r": 8, "alpha": 16, "quantizeBase": "nf4"}},
 }
 
 
@@ -39,11 +40,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--procs", type=int, default=1)
+    ap.add_argument("--runs", default=",".join(RUNS))
     a = ap.parse_args()
     out = Path(a.out)
     base = tinyhf.write_model(out / "model", "llama")
     tinyhf.write_chat_data(out / "chat.jsonl", 400)
-    for name, extra in RUNS.items():
+    for name in a.runs.split(","):
+        extra = RUNS[name]
         cfg = {
             "model": {"huggingface": {"path": str(base)}},
             "data": {"source": "jsonl", "path": str(out / "chat.jsonl"), "evalFraction": 0.1, "evalEvery": 30},

@@ -3,7 +3,7 @@ transformers' `from_pretrained`, on a model directory of a preset's shape with r
 
     python bench/hf_load.py make --shape llama-8b --out DIR          # the directory (bf16 safetensors shards)
     python bench/hf_load.py baseline --model DIR --dtype fp32         # from_pretrained in one process
-    torchrun --nproc-per-node N bench/hf_load.py load --model DIR --strategy fsdp|zero2 [--device cpu]
+    torchrun --nproc-per-node N bench/hf_load.py load --model DIR --strategy fsdp|zero2 [--device cpu] [--lora qlora]
 
 `load` builds the network and the strategy exactly as the trainer does (which reads the weights) and prints,
 per rank, `LOAD {...}` with the peak resident set (VmHWM) and its anonymous and file-backed parts after the
@@ -92,17 +92,19 @@ def baseline(model_dir: str, dtype: str) -> None:
                                 "seconds": round(time.perf_counter() - began, 1), **memory()}), flush=True)  # fmt: skip
 
 
-def load(model_dir: str, strategy: str, device: str, precision: str) -> None:
+def load(model_dir: str, strategy: str, device: str, precision: str, lora: str | None) -> None:
     import torch
 
     from sharded_trainer.config import TrainerConfig
     from sharded_trainer.network import build_network
     from sharded_trainer.process_group import init_distributed, shutdown
+    from sharded_trainer.quantize import is_nf4, nf4_bytes
     from sharded_trainer.strategies import build_strategy
 
     cfg = TrainerConfig.model_validate({
         "model": {"huggingface": {"path": model_dir}}, "precision": precision, "strategy": {"type": strategy},
         "data": {"source": "synthetic"}, "backend": "gloo" if device == "cpu" else "nccl",
+        **({"lora": {"r": 16, "alpha": 32, **({"quantizeBase": "nf4"} if lora == "qlora" else {})}} if lora else {}),
     })  # fmt: skip
     env = init_distributed(cfg.backend)
     began = time.perf_counter()
@@ -110,11 +112,11 @@ def load(model_dir: str, strategy: str, device: str, precision: str) -> None:
     built = memory()
     built_s = time.perf_counter() - began
     strat = build_strategy(net, cfg, env)
-    kept = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in strat.model.parameters()
-    )
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in strat.model.parameters()]
+    kept = nf4_bytes(strat.model) + sum(t.numel() * t.element_size() for t in local if not is_nf4(t))
     rec = {
-        "mode": f"{strategy} on {env.device.type}", "rank": env.rank, "world": env.world, "precision": precision,
+        "mode": f"{strategy}{' ' + lora if lora else ''} on {env.device.type}", "rank": env.rank,
+        "world": env.world, "precision": precision,
         "seconds": round(time.perf_counter() - began, 1), "build_seconds": round(built_s, 1),
         "kept_param_gib": round(kept / 2**30, 2), "after_build": built, **memory(),
     }  # fmt: skip
@@ -139,6 +141,7 @@ def main() -> None:
     ld.add_argument("--strategy", default="fsdp")
     ld.add_argument("--device", default="cuda")
     ld.add_argument("--precision", default="bf16")
+    ld.add_argument("--lora", choices=["lora", "qlora"], help="adapters on a frozen base (qlora: an NF4 base)")
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.shape, Path(a.out))
@@ -147,7 +150,7 @@ def main() -> None:
     else:
         if a.device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        load(a.model, a.strategy, a.device, a.precision)
+        load(a.model, a.strategy, a.device, a.precision, a.lora)
 
 
 if __name__ == "__main__":

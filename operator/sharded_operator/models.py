@@ -90,7 +90,11 @@ SPEC_RULES = (
         bad=({"procsPerNode": 8, "resources": {"gpusPerNode": 4}},),
     ),
     # TrainerConfig's own rules (TrainingSpec's hold under spec.trainer already), on the job's paths.
-    *(r.rebased({"precision": "trainer.precision"}) for r in TrainerConfig.rules if r not in TrainingSpec.rules),
+    *(
+        r.rebased({"precision": "trainer.precision", "lora": "trainer.lora"})
+        for r in TrainerConfig.rules
+        if r not in TrainingSpec.rules
+    ),
     Rule(
         "trainer.exportOnSuccess", "needs spec.checkpoint and trainer.model.huggingface: the export is a Hugging "
         "Face directory written next to the checkpoints",
@@ -100,6 +104,14 @@ SPEC_RULES = (
         bad=({"trainer": {"exportOnSuccess": True, "model": {"huggingface": {"path": "/m"}, "preset": None}},
               "checkpoint": None},
              {"trainer": {"exportOnSuccess": True}, "checkpoint": {"volumeClaim": {"size": "1Gi"}}}),
+    ),
+    Rule(
+        "trainer.lora.quantizeBase", "NF4 weights are for GPUs: set resources.gpusPerNode > 0, or remove "
+        "quantizeBase to train the adapters over a bf16 base",
+        Has("trainer.lora.quantizeBase").implies(_GPUS.gt(0)),
+        good=({"trainer": {"lora": {"quantizeBase": "nf4"}, "model": {"huggingface": {"path": "/m"}, "preset": None}},
+               "resources": {"gpusPerNode": 8}},),
+        bad=({"trainer": {"lora": {"quantizeBase": "nf4"}, "model": {"huggingface": {"path": "/m"}, "preset": None}}},),
     ),
     Rule(
         "trainer.tensorboard", "needs spec.checkpoint: the event files are written next to the checkpoints",

@@ -129,6 +129,59 @@ def test_lora_under_zero2_checkpoints_only_the_adapters_and_exports_them_for_pef
     assert answers_right(plain, AutoTokenizer.from_pretrained(str(merged / "merged"))) >= 36
 
 
+def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_adapters_learn(claim, tmp_path):
+    """lora.quantizeBase nf4 under FSDP2: every frozen linear weight of the decoder is held in NF4, each rank
+    quantizing only the rows it keeps (with the whole weight's double-quantization mean), so the weight that
+    FSDP2 all-gathers for compute is the whole weight quantized in one piece; the adapters learn the task over
+    it, the checkpoint holds them alone, peft loads the export, and the adapters resume on one process."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    overrides = {"lora.r": 8, "lora.alpha": 16, "lora.quantizeBase": "nf4", "steps": 40, "exportOnSuccess": True,
+                 "data.evalEvery": 40}  # fmt: skip
+    config = finetune_config(tmp_path, claim, "llama", **overrides)
+    run = run_job(tmp_path, config, timeout=600)
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    assert run.event("layout")["layout"].endswith("14 NF4 base weights")  # 2 layers x 7 linear
+    losses = run.losses()
+    assert losses[40] < 0.3 < losses[5], losses
+    saved = dcp.FileSystemReader(str(step_dir(tmp_path / "ckpt", 40))).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("model.")]
+    assert weights and all(".lora_" in k for k in weights), weights[:5]
+
+    out = tmp_path / "nf4.json"
+    probe = run_job(tmp_path, config, script=[str(ROOT / "tests" / "helpers" / "nf4_probe.py"), "--out", str(out)])
+    assert probe.returncodes == [0, 0], probe.output[-3000:]
+    found = json.loads(out.read_text())
+    assert len(found["weights"]) == 14 and found["world"] == 4
+    for name, w in found["weights"].items():
+        assert w["vsWhole"] < 1e-6, (name, w)  # the same bytes but the mean, summed in another order
+        assert 0 < w["vsOriginal"] < 0.15, (name, w)  # 16 levels per block: about 10% relative error
+    assert found["nf4Bytes"] < 0.3 * found["bf16Bytes"], found
+
+    # The adapters over the base they were trained with (the NF4 weights, dequantized) answer the task; over
+    # the original full-precision base, as a server would load them, nearly as well.
+    base = str(claim / "models" / "llama")
+    tokenizer, exported = AutoTokenizer.from_pretrained(base), run.event("exported")["path"]
+    quantized = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        for name, p in quantized.named_parameters():
+            if name in found["weights"]:
+                w = found["weights"][name]
+                p.copy_(to_nf4(p.detach().to(torch.bfloat16), w["block"], w["scalerBlock"]).get_original_weight())
+    assert answers_right(PeftModel.from_pretrained(quantized, exported), tokenizer) >= 36
+    original = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), exported)
+    assert answers_right(original, tokenizer) >= 30
+
+    # The adapters resume on one process, which quantizes every weight whole and keeps it out of FSDP2.
+    one = run_job(tmp_path, finetune_config(tmp_path, claim, "llama", **{**overrides, "steps": 50}), nodes=1, procs=1)
+    assert one.returncodes == [0], one.output[-3000:]
+    assert one.event("resumed") == {**one.event("resumed"), "step": 40, "from_world": 4, "world": 1}
+    assert max(one.losses().values()) < 0.3, one.losses()
+
+
 @pytest.mark.parametrize(("arch", "strategy", "lora"), [("qwen2", "zero2", False), ("qwen3", "fsdp", True)])
 def test_qwen_models_learn_the_chat_task_through_their_own_tokenizer(claim, tmp_path, arch, strategy, lora):
     """Qwen models with a byte-level BPE tokenizer (several tokens per word, the template's space merged into

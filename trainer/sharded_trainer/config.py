@@ -143,6 +143,11 @@ class LoraConfig(Model):
         description="Module names (or suffixes) to adapt, e.g. [q_proj, v_proj]; all-linear adapts every linear "
         "layer of the decoder but the output head.",
     )  # fmt: skip
+    quantize_base: Literal["nf4"] | None = Field(
+        None,
+        description="QLoRA: hold the frozen linear weights of the decoder layers in 4-bit NF4 (quantized as they "
+        "are read, each process only the rows it keeps). GPUs and strategy.type fsdp with full sharding only.",
+    )
 
 
 class OptimizerConfig(Model):
@@ -287,6 +292,9 @@ class CheckpointConfig(CheckpointPolicy):
     dir: str | None = Field(None, description="Checkpoint root directory; unset disables checkpointing.")
 
 
+_HF = {"model": {"huggingface": {"path": "/m"}, "preset": None}}  # rule examples: a Hugging Face model
+
+
 class TrainerConfig(TrainingSpec):
     """The whole config `python -m sharded_trainer --config FILE` reads."""
 
@@ -303,6 +311,15 @@ class TrainerConfig(TrainingSpec):
             At("checkpoint.async").implies(At("strategy.type").eq("fsdp")),
             good=({"checkpoint": {"async": True}}, {"strategy": {"type": "zero2"}, "checkpoint": {"async": False}}),
             bad=({"checkpoint": {"async": True}, "strategy": {"type": "zero2"}},),
+        ),
+        Rule(
+            "lora.quantizeBase", "an NF4 base is sharded by FSDP2: use strategy.type fsdp with strategy.fsdp.shard "
+            "full, or remove quantizeBase",
+            Has("lora.quantizeBase").implies(At("strategy.type").eq("fsdp") & At("strategy.fsdp.shard").eq("full")),
+            good=({"lora": {"quantizeBase": "nf4"}, "strategy": {"type": "fsdp"}, **_HF},
+                  {"lora": {"r": 8}, "strategy": {"type": "zero2"}, **_HF}),
+            bad=({"lora": {"quantizeBase": "nf4"}, "strategy": {"type": "zero2"}, **_HF},
+                 {"lora": {"quantizeBase": "nf4"}, "strategy": {"fsdp": {"shard": "hybrid"}}, **_HF}),
         ),
         *TrainingSpec.rules,
     )  # fmt: skip

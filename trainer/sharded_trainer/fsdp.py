@@ -23,9 +23,12 @@ from sharded_trainer.parallel import (
     wrap_blocks,
 )
 from sharded_trainer.process_group import DistEnv
+from sharded_trainer.quantize import quantize_base
 
 
-def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: torch.dtype) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: torch.dtype, ignored: set[nn.Parameter] | None = None
+) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, final norm, output) with FSDP2.
 
     Blocks are sharded first so each one all-gathers and frees its own parameters around its compute;
@@ -39,6 +42,8 @@ def apply_fsdp(model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: tor
     # Pinned host memory needs a GPU; on a CPU-only run the offload has nowhere to move anything.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     extra = {"offload_policy": offload} if options.cpu_offload else {}
+    if ignored:
+        extra["ignored_params"] = ignored
     sharded = wrap_blocks(
         decoder_layers(model), activation_checkpointing=options.activation_checkpointing, compile=options.compile
     )
@@ -88,8 +93,15 @@ class FsdpStrategy:
             self.layout = f"full: {env.world} shards"
         self.layout += f", prefetch {cfg.strategy.fsdp.prefetch}"
         self.mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
+        ignored = None
+        if cfg.lora is not None and cfg.lora.quantize_base == "nf4":  # before sharding: FSDP2 shards the 4-bit form
+            quantized = quantize_base(decoder_layers(net.module), shards=env.world)
+            self.layout += f", {len(quantized)} NF4 base weights"
+            # One process has nothing to gather, and FSDP2's path for a world of one (torch 2.11) hands a
+            # tensor subclass one all-gather output where NF4 has three: the weights stay outside it.
+            ignored = set(quantized) if env.world == 1 else None
         self.model = apply_fsdp(
-            net.module, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision]
+            net.module, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision], ignored=ignored
         )
         if net.source is not None:  # built on the meta device: each rank reads only the rows it keeps
             materialize(self.model, env.device, net.source)

@@ -12,6 +12,7 @@ from torch import nn
 from sharded_trainer.data import Batch
 from sharded_trainer.model import DTYPES, WeightSource
 from sharded_trainer.process_group import DistEnv
+from sharded_trainer.quantize import fill_nf4, is_nf4
 
 __all__ = ["DTYPES", "Batch", "Strategy", "decoder_layers", "materialize", "to_device", "trainable", "wrap_blocks"]
 
@@ -145,14 +146,18 @@ def materialize(module: nn.Module, device: torch.device, source: WeightSource) -
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
         for name, p in module.named_parameters():
+            local, rows, group = p, None, None
             if isinstance(p, DTensor):
-                local = p.to_local()
+                local, group = p.to_local(), p.device_mesh.get_group()
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 if list(shape[1:]) != list(p.shape[1:]):
                     raise ValueError(f"{name}: sharded along a dimension other than the first ({p.placements})")
-                local.copy_(source.read(name, p.shape, (offset[0], offset[0] + shape[0]), local.dtype))
+                rows = (offset[0], offset[0] + shape[0])
+            data = source.read(name, p.shape, rows, local.dtype)
+            if is_nf4(local):  # QLoRA's base: quantized here, from the rows this rank keeps
+                fill_nf4(local, data, group)
             else:
-                p.copy_(source.read(name, p.shape, None, p.dtype))
+                local.copy_(data)
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

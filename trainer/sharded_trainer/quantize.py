@@ -1,0 +1,111 @@
+"""QLoRA's frozen base in NF4 (torchao's `NF4Tensor`, the 4-bit tensor that FSDP2 shards and all-gathers as
+its packed bytes): every frozen linear weight of the decoder layers is quantized, the adapters, embeddings,
+norms and output head stay in the compute dtype.
+
+The weights are quantized where they are read: each rank quantizes only the rows it keeps, with the
+double-quantization mean of the whole tensor (one all-reduce per weight), so the gathered weight is the one
+that quantizing the full tensor gives and no rank ever holds a full-precision copy of a weight it does not
+keep.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+# NF4 packs two values per byte in blocks of 64 with one absmax each; the absmaxes are quantized again in
+# blocks of 256 (QLoRA's double quantization). A shard must hold whole blocks of both.
+BLOCK = 64
+SCALER_BLOCK = 256
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def block_sizes(shape: torch.Size, shards: int) -> tuple[int, int] | None:
+    """NF4 block sizes for a weight of `shape` split into `shards` equal row ranges, or None when its rows do
+    not split evenly (FSDP2 would pad the last shard, which NF4 cannot hold): that weight stays unquantized.
+    The standard sizes fit every weight of a released model; a small model gets smaller blocks."""
+    rows, cols = shape
+    if rows % shards:
+        return None
+    local = rows // shards * cols
+    block = _largest_divisor(local, BLOCK)
+    if block < 2:  # two values per byte
+        return None
+    return block, _largest_divisor(local // block, SCALER_BLOCK)
+
+
+def quantize_base(layers: nn.Module, shards: int) -> list[nn.Parameter]:
+    """Replace every frozen linear weight under `layers` (still on the meta device) with an NF4 tensor, so
+    that FSDP2 shards the 4-bit form; returns the new parameters. Called before sharding."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    quantized = []
+    for module in layers.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or weight is None or weight.requires_grad:
+            continue
+        sizes = block_sizes(weight.shape, shards)
+        if sizes is None:
+            continue
+        module.weight = nn.Parameter(to_nf4(weight.detach(), *sizes), requires_grad=False)
+        quantized.append(module.weight)
+    return quantized
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "NF4Tensor"
+
+
+def fill_nf4(local: torch.Tensor, rows: torch.Tensor, group) -> None:
+    """Quantize `rows` (this rank's part of a weight, in full precision) into the NF4 shard `local`, with the
+    mean block absmax of the whole weight, summed over `group` (the processes that hold its other rows)."""
+    import torch.distributed as dist
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, get_block_absmax
+
+    block, scaler_block = local.block_size, local.scaler_block_size
+    rows = rows.to(local.device, local.dtype).contiguous()
+    absmax = get_block_absmax(rows.flatten(), block)
+    total = absmax.float().sum()
+    count = absmax.numel()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+        count *= dist.get_world_size(group)
+    mean = (total / count).to(local.dtype)
+    shifted = (absmax - mean).view(-1, scaler_block)
+    factor = 256 / (2 * shifted.abs().amax(dim=1))  # int8 range per block of absmaxes
+    scalers = (shifted * factor.unsqueeze(1)).round().clamp(-128, 127).flatten().to(torch.int8)
+    lut = _lut(local)
+    sharded = {
+        "quantized_data": NF4Tensor.convert_to_norm_float_weight(rows, absmax.numel(), block, lut),
+        "quantized_scalers": scalers, "quantization_factor": factor,
+    }  # fmt: skip
+    # The sharded parts go into the shard's own tensors, which FSDP2 all-gathers from. `to_empty` moved only
+    # those: the mean and the code book, the same for every shard, are still the meta ones from the build.
+    for name, value in sharded.items():
+        getattr(local, name).copy_(value)
+    local.scaler_mean, local.nf4 = mean, lut
+
+
+def _lut(like: torch.Tensor) -> torch.Tensor:
+    """NF4's 16 code points (QLoRA's normal-float quantiles), as torchao builds them."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    return NF4Tensor.from_tensor(torch.zeros(2, 2, dtype=like.dtype), 2, 1).nf4.to(like.device)
+
+
+def nf4_bytes(model: nn.Module) -> int:
+    """Bytes the NF4 weights hold on this rank (packed values, scalers, factors)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if is_nf4(local):
+            parts = (local.quantized_data, local.quantized_scalers, local.quantization_factor)
+            total += sum(math.prod(t.shape) * t.element_size() for t in parts)
+    return total

@@ -4,6 +4,7 @@ transformers' `from_pretrained`, on a model directory of a preset's shape with r
     python bench/hf_load.py make --shape llama-8b --out DIR          # the directory (bf16 safetensors shards)
     python bench/hf_load.py baseline --model DIR --dtype fp32         # from_pretrained in one process
     torchrun --nproc-per-node N bench/hf_load.py load --model DIR --strategy fsdp|zero2 [--device cpu] [--lora qlora]
+        [--share-gpu]
 
 `load` builds the network and the strategy exactly as the trainer does (which reads the weights) and prints,
 per rank, `LOAD {...}` with the peak resident set (VmHWM) and its anonymous and file-backed parts after the
@@ -92,7 +93,7 @@ def baseline(model_dir: str, dtype: str) -> None:
                                 "seconds": round(time.perf_counter() - began, 1), **memory()}), flush=True)  # fmt: skip
 
 
-def load(model_dir: str, strategy: str, device: str, precision: str, lora: str | None) -> None:
+def load(model_dir: str, strategy: str, device: str, precision: str, lora: str | None, share_gpu: bool) -> None:
     import torch
 
     from sharded_trainer.config import TrainerConfig
@@ -103,9 +104,11 @@ def load(model_dir: str, strategy: str, device: str, precision: str, lora: str |
 
     cfg = TrainerConfig.model_validate({
         "model": {"huggingface": {"path": model_dir}}, "precision": precision, "strategy": {"type": strategy},
-        "data": {"source": "synthetic"}, "backend": "gloo" if device == "cpu" else "nccl",
+        "data": {"source": "synthetic"}, "backend": "gloo" if device == "cpu" or share_gpu else "nccl",
         **({"lora": {"r": 16, "alpha": 32, **({"quantizeBase": "nf4"} if lora == "qlora" else {})}} if lora else {}),
     })  # fmt: skip
+    if share_gpu:  # every rank on GPU 0 (NCCL refuses two ranks on one GPU; loading needs no collective)
+        os.environ["LOCAL_RANK"] = "0"
     env = init_distributed(cfg.backend)
     began = time.perf_counter()
     net = build_network(cfg)
@@ -121,7 +124,8 @@ def load(model_dir: str, strategy: str, device: str, precision: str, lora: str |
         "kept_param_gib": round(kept / 2**30, 2), "after_build": built, **memory(),
     }  # fmt: skip
     if env.device.type == "cuda":
-        rec["gpu_allocated_gib"] = round(torch.cuda.max_memory_allocated(env.device) / 2**30, 2)
+        rec["gpu_allocated_gib"] = round(torch.cuda.max_memory_allocated(env.device) / 2**30, 2)  # peak
+        rec["gpu_after_load_gib"] = round(torch.cuda.memory_allocated(env.device) / 2**30, 2)
     print("LOAD " + json.dumps(rec), flush=True)
     del strat, net
     shutdown()
@@ -142,6 +146,8 @@ def main() -> None:
     ld.add_argument("--device", default="cuda")
     ld.add_argument("--precision", default="bf16")
     ld.add_argument("--lora", choices=["lora", "qlora"], help="adapters on a frozen base (qlora: an NF4 base)")
+    ld.add_argument("--share-gpu", action="store_true", help="every rank on GPU 0, gloo: host memory per rank "
+                    "on a machine with fewer GPUs than ranks")  # fmt: skip
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.shape, Path(a.out))
@@ -150,7 +156,7 @@ def main() -> None:
     else:
         if a.device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        load(a.model, a.strategy, a.device, a.precision, a.lora)
+        load(a.model, a.strategy, a.device, a.precision, a.lora, a.share_gpu)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_ad
     """lora.quantizeBase nf4 under FSDP2: every frozen linear weight of the decoder is held in NF4, each rank
     quantizing only the rows it keeps (with the whole weight's double-quantization mean), so the weight that
     FSDP2 all-gathers for compute is the whole weight quantized in one piece; the adapters learn the task over
-    it, the checkpoint holds them alone, peft loads the export, and the adapters resume on one process."""
+    it, the checkpoint holds them alone, peft loads the export, and the adapters resume on one process. Under
+    ZeRO-2 the loaded base is quantized in place and the adapters learn the same way."""
     import torch.distributed.checkpoint as dcp
     from peft import PeftModel
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
@@ -180,6 +181,18 @@ def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_ad
     assert one.returncodes == [0], one.output[-3000:]
     assert one.event("resumed") == {**one.event("resumed"), "step": 40, "from_world": 4, "world": 1}
     assert max(one.losses().values()) < 0.3, one.losses()
+
+    # ZeRO-2 (whole weights on every rank): the loaded base quantized in place, the adapters learn, only
+    # they are saved (Gemma: the tied output head stays out too).
+    zero2 = tmp_path / "zero2"
+    zero2_overrides = {**overrides, "strategy.type": "zero2", "exportOnSuccess": False, "steps": 60}
+    run = run_job(zero2, finetune_config(zero2, claim, "gemma", **zero2_overrides), env={"DS_ACCELERATOR": "cpu"})
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    assert run.event("layout")["layout"].endswith("14 NF4 base weights")
+    losses = run.losses()
+    assert losses[60] < 0.5 < losses[5], losses  # as LoRA's on this model (the ZeRO-2 LoRA test)
+    saved = torch.load(step_dir(zero2 / "ckpt", 60) / "zero2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert saved["module"] and all(".lora_" in k for k in saved["module"]), sorted(saved["module"])[:5]
 
 
 @pytest.mark.parametrize(("arch", "strategy", "lora"), [("qwen2", "zero2", False), ("qwen3", "fsdp", True)])

@@ -146,7 +146,8 @@ class LoraConfig(Model):
     quantize_base: Literal["nf4"] | None = Field(
         None,
         description="QLoRA: hold the frozen linear weights of the decoder layers in 4-bit NF4 (quantized as they "
-        "are read, each process only the rows it keeps). GPUs and strategy.type fsdp with full sharding only.",
+        "are read, each process only the rows it keeps; under ZeRO-2 after loading). GPUs only; not with "
+        "strategy.fsdp.shard hybrid.",
     )
 
 
@@ -313,13 +314,13 @@ class TrainerConfig(TrainingSpec):
             bad=({"checkpoint": {"async": True}, "strategy": {"type": "zero2"}},),
         ),
         Rule(
-            "lora.quantizeBase", "an NF4 base is sharded by FSDP2: use strategy.type fsdp with strategy.fsdp.shard "
-            "full, or remove quantizeBase",
-            Has("lora.quantizeBase").implies(At("strategy.type").eq("fsdp") & At("strategy.fsdp.shard").eq("full")),
+            "lora.quantizeBase", "an NF4 base is sharded over one dimension of processes: use strategy.fsdp.shard "
+            "full (or strategy.type zero2), or remove quantizeBase",
+            Has("lora.quantizeBase").implies(At("strategy.type").eq("zero2") | At("strategy.fsdp.shard").eq("full")),
             good=({"lora": {"quantizeBase": "nf4"}, "strategy": {"type": "fsdp"}, **_HF},
-                  {"lora": {"r": 8}, "strategy": {"type": "zero2"}, **_HF}),
-            bad=({"lora": {"quantizeBase": "nf4"}, "strategy": {"type": "zero2"}, **_HF},
-                 {"lora": {"quantizeBase": "nf4"}, "strategy": {"fsdp": {"shard": "hybrid"}}, **_HF}),
+                  {"lora": {"quantizeBase": "nf4"}, "strategy": {"type": "zero2"}, **_HF},
+                  {"lora": {"r": 8}, "strategy": {"fsdp": {"shard": "hybrid"}}, **_HF}),
+            bad=({"lora": {"quantizeBase": "nf4"}, "strategy": {"fsdp": {"shard": "hybrid"}}, **_HF},),
         ),
         *TrainingSpec.rules,
     )  # fmt: skip

@@ -2,10 +2,10 @@
 its packed bytes): every frozen linear weight of the decoder layers is quantized, the adapters, embeddings,
 norms and output head stay in the compute dtype.
 
-The weights are quantized where they are read: each rank quantizes only the rows it keeps, with the
-double-quantization mean of the whole tensor (one all-reduce per weight), so the gathered weight is the one
-that quantizing the full tensor gives and no rank ever holds a full-precision copy of a weight it does not
-keep.
+Under FSDP2 the weights are quantized where they are read: each rank quantizes only the rows it keeps, with
+the double-quantization mean of the whole tensor (one all-reduce per weight), so the gathered weight is the
+one that quantizing the full tensor gives and no rank ever holds a full-precision copy of a weight it does
+not keep. ZeRO-2 keeps the whole base on every rank: it is loaded in bf16 and quantized in place.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def block_sizes(shape: torch.Size, shards: int) -> tuple[int, int] | None:
 
 
 def quantize_base(layers: nn.Module, shards: int) -> list[nn.Parameter]:
-    """Replace every frozen linear weight under `layers` (still on the meta device) with an NF4 tensor, so
-    that FSDP2 shards the 4-bit form; returns the new parameters. Called before sharding."""
+    """Replace every frozen linear weight under `layers` with an NF4 tensor; returns the new parameters.
+    FSDP2 calls it on the meta-device model before sharding (so it shards the 4-bit form, `shards` ways, and
+    `fill_nf4` quantizes the values later); ZeRO-2 on the loaded model (the values are quantized here)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     quantized = []

@@ -24,6 +24,7 @@ from sharded_trainer.parallel import (
     wrap_blocks,
 )
 from sharded_trainer.process_group import DistEnv
+from sharded_trainer.quantize import quantize_base
 
 # DeepSpeed writes a checkpoint into <step directory>/<tag>/; its partitioned optimizer state is laid
 # out there in files only DeepSpeed reads back.
@@ -97,6 +98,11 @@ class Zero2Strategy:
         self.model = self.engine.module
         if net.adapter_only:
             self._save_adapters_only()
+        if cfg.lora is not None and cfg.lora.quantize_base == "nf4":
+            # After DeepSpeed has cast the module (a cast of an NF4 tensor dequantizes it): ZeRO-2 keeps the
+            # whole base on every rank, so each weight is quantized whole, in place, and its bf16 form freed.
+            quantized = quantize_base(decoder_layers(self.model), shards=1)
+            self.layout += f", {len(quantized)} NF4 base weights"
         self.loss = loss_function(cfg.strategy.zero2.compile)
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:

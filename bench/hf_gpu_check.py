@@ -1,5 +1,5 @@
 """Fine-tuning correctness on a GPU: the tiny chat task (hack/tinyhf.py) fine-tuned in bf16 through the
-trainer (full FSDP2, LoRA FSDP2, LoRA ZeRO-2, QLoRA FSDP2, each exported at the end), then each export
+trainer (full FSDP2, LoRA FSDP2, LoRA ZeRO-2, QLoRA under each, each exported at the end), then each export
 loaded with transformers/peft and asked the task's 40 questions. Prints one `CHECK {...}` line per run.
 
     python bench/hf_gpu_check.py --out DIR [--procs 1] [--runs qlora-fsdp,...]
@@ -22,6 +22,7 @@ RUNS = {
     "lora-fsdp": {"strategy": {"type": "fsdp"}, "lora": {"r": 8, "alpha": 16}},
     "lora-zero2": {"strategy": {"type": "zero2"}, "lora": {"r": 8, "alpha": 16}},
     "qlora-fsdp": {"strategy": {"type": "fsdp"}, "lora": {"r": 8, "alpha": 16, "quantizeBase": "nf4"}},
+    "qlora-zero2": {"strategy": {"type": "zero2"}, "lora": {"r": 8, "alpha": 16, "quantizeBase": "nf4"}},
 }
 
 

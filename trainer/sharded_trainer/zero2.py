@@ -103,6 +103,12 @@ class Zero2Strategy:
             # whole base on every rank, so each weight is quantized whole, in place, and its bf16 form freed.
             quantized = quantize_base(decoder_layers(self.model), shards=1)
             self.layout += f", {len(quantized)} NF4 base weights"
+            # The engine and its ZeRO optimizer name parameters in a dict keyed by them, which would keep every
+            # bf16 weight alive.
+            names = {p: n for n, p in self.model.named_parameters()}
+            for holder in (self.engine, self.engine.optimizer):
+                if hasattr(holder, "param_names"):
+                    holder.param_names = names
         self.loss = loss_function(cfg.strategy.zero2.compile)
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:

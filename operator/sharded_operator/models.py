@@ -60,6 +60,7 @@ MAX_NAME_LENGTH = 50
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 _GPUS = At("resources.gpusPerNode")
+_TRAINER_ROOTS = {"precision": "trainer.precision", "lora": "trainer.lora", "model": "trainer.model"}
 SPEC_RULES = (
     Rule(
         "nodes", "must lie between elastic.minNodes and elastic.maxNodes",
@@ -90,11 +91,9 @@ SPEC_RULES = (
         bad=({"procsPerNode": 8, "resources": {"gpusPerNode": 4}},),
     ),
     # TrainerConfig's own rules (TrainingSpec's hold under spec.trainer already), on the job's paths.
-    *(
-        r.rebased({"precision": "trainer.precision", "lora": "trainer.lora"})
-        for r in TrainerConfig.rules
-        if r not in TrainingSpec.rules
-    ),
+    # An NF4 base needs GPUs (a rule below): the examples have them.
+    *(r.rebased(_TRAINER_ROOTS, context={"resources": {"gpusPerNode": 8}})
+      for r in TrainerConfig.rules if r not in TrainingSpec.rules),
     Rule(
         "trainer.exportOnSuccess", "needs spec.checkpoint and trainer.model.huggingface: the export is a Hugging "
         "Face directory written next to the checkpoints",

@@ -53,7 +53,9 @@ def test_trainer_config_rules_hold_on_the_trainer_config_too(rule):
 def test_the_spec_carries_the_trainer_rules_with_its_own_paths():
     spec_rules = {r.field: r for r in ShardedTrainingJobSpec.rules}
     assert spec_rules["trainer.precision"].message == TrainerConfig.rules[0].message
-    assert spec_rules["trainer.precision"].bad[0] == {"trainer": {"precision": "fp16"}, "strategy": {"type": "fsdp"}}
+    assert spec_rules["trainer.precision"].bad[0] == {
+        "trainer": {"precision": "fp16"}, "strategy": {"type": "fsdp"}, "resources": {"gpusPerNode": 8}
+    }  # fmt: skip
 
 
 def test_every_rule_lands_in_the_crd_once():

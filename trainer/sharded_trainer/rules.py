@@ -8,6 +8,7 @@ same message.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -43,15 +44,16 @@ class Rule:
     def error(self) -> str:
         return f"{self.field}: {self.message}" if self.field else self.message
 
-    def rebased(self, roots: dict[str, str]) -> Rule:
-        """The same rule on a model that holds this one's fields under other paths ({old root: new})."""
+    def rebased(self, roots: dict[str, str], context: dict | None = None) -> Rule:
+        """The same rule on a model that holds this one's fields under other paths ({old root: new}); its
+        examples are set into `context` (fields the larger model's other rules need)."""
 
         def move(path: str) -> str:
             head, _, rest = path.partition(".")
             return roots[head] + ("." + rest if rest else "") if head in roots else path
 
         def move_example(ex: dict) -> dict:
-            out: dict = {}
+            out: dict = copy.deepcopy(context or {})
             for k, v in ex.items():
                 node, *parents, leaf = [out, *move(k).split(".")]
                 for p in parents:

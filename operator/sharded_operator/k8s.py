@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from sharded_operator.models import GROUP, KIND, PLURAL, VERSION, training_pods
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TRANSIENT = {429, 500, 502, 503, 504}
@@ -305,8 +308,19 @@ class Kube:
             if e.status != 404:
                 raise
 
-    @retrying
     def event(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """Record an event on the job, best effort as Kubernetes' own event recorders are: one the API server
+        refuses (its namespace is being deleted, a quota on events) is logged and dropped, never raised into
+        a reconcile whose status, which the event only echoes, is already written."""
+        try:
+            self._create_event(job, type_, reason, message)
+        except ApiException as e:
+            meta = job["metadata"]
+            logger.warning("event %s on %s/%s dropped: %s %s", reason, meta["namespace"], meta["name"], e.status,
+                           e.reason)  # fmt: skip
+
+    @retrying
+    def _create_event(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None:
         meta = job["metadata"]
         now = dt.datetime.now(dt.UTC)
         body = {

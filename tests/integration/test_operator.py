@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import subprocess
 import time
 import urllib.request
+import uuid
 
 import pytest
 from kubernetes.client.rest import ApiException
@@ -397,6 +399,26 @@ def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, c
     kube = Kube(custom.api_client)
     assert kube.patch_status(ops.ns, "j", {"phase": "Failed", "restarts": 7}, uid=old_uid) is False
     assert ops.status().get("restarts", 0) == 0
+
+
+def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcile(core, custom, caplog):
+    """A namespace being deleted takes no new objects, events included, while the operator still reconciles
+    its jobs there (their pods stop, their status changes): the event is logged and dropped."""
+    from sharded_operator.k8s import Kube
+
+    ns = f"terminating-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+    held = {"metadata": {"name": "held", "finalizers": [f"{GROUP}/test-hold"]}}
+    core.create_namespaced_config_map(ns, held)  # keeps the namespace Terminating until released
+    core.delete_namespace(ns)
+    try:
+        wait_for(lambda: core.read_namespace(ns).status.phase == "Terminating", what="namespace terminating")
+        job = {"metadata": {"name": "j", "namespace": ns, "uid": str(uuid.uuid4())}}
+        with caplog.at_level(logging.WARNING, logger="sharded_operator.k8s"):
+            Kube(custom.api_client).event(job, "Normal", "Running", "every pod is running")
+        assert f"event Running on {ns}/j dropped: 403" in caplog.text, caplog.text
+    finally:
+        core.patch_namespaced_config_map("held", ns, {"metadata": {"finalizers": None}})
 
 
 def test_a_delete_decided_for_one_pod_never_removes_a_newer_pod_of_the_same_name(ops, core, custom):

@@ -30,12 +30,10 @@ def block_sizes(shape: torch.Size, shards: int) -> tuple[int, int] | None:
     not split evenly (FSDP2 would pad the last shard, which NF4 cannot hold): that weight stays unquantized.
     The standard sizes fit every weight of a released model; a small model gets smaller blocks."""
     rows, cols = shape
-    if rows % shards:
-        return None
     local = rows // shards * cols
-    block = _largest_divisor(local, BLOCK)
-    if block < 2:  # two values per byte
+    if rows % shards or local % 2:  # NF4 packs two values per byte, shard by shard
         return None
+    block = _largest_divisor(local, BLOCK)
     return block, _largest_divisor(local // block, SCALER_BLOCK)
 
 

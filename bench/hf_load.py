@@ -4,7 +4,6 @@ transformers' `from_pretrained`, on a model directory of a preset's shape with r
     python bench/hf_load.py make --shape llama-8b --out DIR          # the directory (bf16 safetensors shards)
     python bench/hf_load.py baseline --model DIR --dtype fp32         # from_pretrained in one process
     torchrun --nproc-per-node N bench/hf_load.py load --model DIR --strategy fsdp|zero2 [--device cpu] [--lora qlora]
-        [--share-gpu]
 
 `load` builds the network and the strategy exactly as the trainer does (which reads the weights) and prints,
 per rank, `LOAD {...}` with the peak resident set (VmHWM) and its anonymous and file-backed parts after the
@@ -93,7 +92,7 @@ def baseline(model_dir: str, dtype: str) -> None:
                                 "seconds": round(time.perf_counter() - began, 1), **memory()}), flush=True)  # fmt: skip
 
 
-def load(model_dir: str, strategy: str, device: str, precision: str, lora: str | None, share_gpu: bool) -> None:
+def load(model_dir: str, strategy: str, device: str, precision: str, lora: str | None) -> None:
     import torch
 
     from sharded_trainer.config import TrainerConfig
@@ -104,11 +103,9 @@ def load(model_dir: str, strategy: str, device: str, precision: str, lora: str |
 
     cfg = TrainerConfig.model_validate({
         "model": {"huggingface": {"path": model_dir}}, "precision": precision, "strategy": {"type": strategy},
-        "data": {"source": "synthetic"}, "backend": "gloo" if device == "cpu" or share_gpu else "nccl",
+        "data": {"source": "synthetic"}, "backend": "gloo" if device == "cpu" else "nccl",
         **({"lora": {"r": 16, "alpha": 32, **({"quantizeBase": "nf4"} if lora == "qlora" else {})}} if lora else {}),
     })  # fmt: skip
-    if share_gpu:  # every rank on GPU 0 (NCCL refuses two ranks on one GPU; loading needs no collective)
-        os.environ["LOCAL_RANK"] = "0"
     env = init_distributed(cfg.backend)
     began = time.perf_counter()
     net = build_network(cfg)
@@ -146,8 +143,6 @@ def main() -> None:
     ld.add_argument("--device", default="cuda")
     ld.add_argument("--precision", default="bf16")
     ld.add_argument("--lora", choices=["lora", "qlora"], help="adapters on a frozen base (qlora: an NF4 base)")
-    ld.add_argument("--share-gpu", action="store_true", help="every rank on GPU 0, gloo: host memory per rank "
-                    "on a machine with fewer GPUs than ranks")  # fmt: skip
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.shape, Path(a.out))
@@ -156,7 +151,7 @@ def main() -> None:
     else:
         if a.device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        load(a.model, a.strategy, a.device, a.precision, a.lora, a.share_gpu)
+        load(a.model, a.strategy, a.device, a.precision, a.lora)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=last)
     if sharded_trainer.stop_requested():
         sharded_trainer.exit_stopped()  # after the checkpoint the callback asked for: the job resumes from it
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # every rank passed the callback's last barrier
 
 
 if __name__ == "__main__":

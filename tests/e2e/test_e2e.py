@@ -45,7 +45,7 @@ def test_job_trains_to_success_with_checkpoints_on_the_claim(jobs, strategy):
     name = f"e2e-{strategy}"
     jobs.create(job(name, strategy))
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["progress"]["step"] == 30 and status["lastCheckpoint"]["step"] == 30
     assert status["progress"]["loss"] < 4.0  # chance is ln(256) = 5.5
     assert jobs.checkpoints(name) == [10, 20, 30]
@@ -62,7 +62,7 @@ def test_killed_pod_process_restarts_the_gang_and_resumes_from_the_newest_checkp
     victim = next(r for r in jobs.runs(name) if r.name == f"{name}-1")
     stack.agent.crash(victim)  # SIGKILL: no checkpoint, no goodbye
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["restarts"] == 1 and status["attempt"] == 2
     failure = status["lastFailure"]
     assert failure["pod"] == f"{name}-1" and failure["nodeRank"] == 1 and failure["exitCode"] == 137
@@ -93,7 +93,7 @@ def test_a_killed_worker_is_restarted_in_place_and_no_pod_is_recreated(jobs, sta
     assert len(workers) == 2, workers
     os.kill(workers[0], signal.SIGKILL)  # one trainer process, not the pod
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["restarts"] == 0 and status["attempt"] == 1 and status["inPlaceRestarts"] == 1
     assert pod_objects(stack, name) == {f"{name}-0": 1, f"{name}-1": 1, f"{name}-rdzv": 1}  # none recreated
     resumed = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "resumed"' in line]
@@ -111,7 +111,7 @@ def test_a_deleted_pod_is_replaced_alone_while_the_others_wait_for_it(jobs, stac
     jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
     stack.cluster.api("DELETE", f"/api/v1/namespaces/{NS}/pods/{name}-0")
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["attempt"] == 1 and status["restarts"] == 0 and status["disruptions"] == 0
     assert status["podReplacements"] == 1 and status["recovery"]["replacements"] == 1
     assert "since" not in status["recovery"]  # closed: a new trainer process reported
@@ -132,7 +132,7 @@ def test_losing_the_rendezvous_store_restarts_the_gang_as_a_disruption(jobs, sta
     jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
     stack.agent.crash(next(r for r in jobs.runs(name, store=True) if r.name == f"{name}-rdzv"))
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["attempt"] == 2 and status["disruptions"] == 1 and status["restarts"] == 0
     assert status["lastFailure"]["reason"] == "RendezvousLost" and status["podReplacements"] == 0
     assert pod_objects(stack, name) == {f"{name}-0": 2, f"{name}-1": 2, f"{name}-rdzv": 2}  # a new gang, a new store
@@ -175,7 +175,7 @@ def test_an_elastic_job_trains_on_two_of_three_nodes_grows_back_and_is_resized_b
     jobs.patch(name, {"nodes": 2})
     training_on(2, past=step)
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=300, what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["attempt"] == 1 and status["restarts"] == 0 and status["podReplacements"] == 1
     assert status["desiredNodes"] == 2 and status["progress"]["step"] == 300
     reasons = jobs.event_reasons(name)
@@ -244,7 +244,7 @@ def test_a_job_created_again_on_its_retained_claim_resumes_from_the_old_jobs_che
     wait_for(lambda: not jobs.exists(name), timeout=60, what="the first job gone")
     jobs.create(job(name, steps=30))  # same name, same retained claim (retainOnDelete is the default)
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="the second job finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert jobs.checkpoints(name)[-1] == 30 and status["progress"]["step"] == 30
     assert "ResumedFromCheckpoint" in jobs.event_reasons(name) and status["resumedFrom"]["step"] == 20
     claim = stack.cluster.api("GET", f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{name}-checkpoints")
@@ -282,7 +282,7 @@ def test_a_zombie_attempt_on_a_lost_node_wakes_up_and_has_its_commit_refused(job
     finally:
         stack.agent.restore_node(node)
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     # Every step committed after the fault is the new attempt's: the zombie never wrote over it.
     after = {step: committed_generation(root, step) for step in jobs.checkpoints(name) if step > frozen_at}
     assert after and set(after.values()) == {zombie_generation + 1}, after
@@ -307,7 +307,7 @@ def test_a_checkpoint_damaged_while_suspended_is_set_aside_and_the_one_before_re
 
     jobs.patch(name, {"runPolicy": {"suspend": False}})
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
-    assert status["phase"] == "Succeeded" and status["restarts"] == 0, jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0, jobs.explain(name)
     assert status["resumedFrom"]["step"] == previous  # the damaged one was skipped, and status says from where
     assert "CheckpointSetAside" in jobs.event_reasons(name)
     aside = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "set_aside"' in line]
@@ -388,7 +388,7 @@ def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(
     }  # fmt: skip
     jobs.create(body)
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=420, what="finished")
-    assert status["phase"] == "Succeeded", jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["progress"]["loss"] < 1.0 and status["progress"]["evalLoss"] < 1.5, status["progress"]
     assert status["export"]["step"] == 40, status
     exported = stack.claim_dir(NS, f"{name}-checkpoints") / name / "export"
@@ -441,7 +441,7 @@ def test_a_plain_hugging_face_trainer_script_reports_and_suspends_with_a_checkpo
 
     jobs.patch(name, {"runPolicy": {"suspend": False}})
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=420, what="finished")
-    assert status["phase"] == "Succeeded" and status["restarts"] == 0, jobs.logs(name)[-3000:]
+    assert status["phase"] == "Succeeded" and status["restarts"] == 0, jobs.explain(name)
     assert status["progress"]["step"] == 400 and status["progress"]["totalSteps"] == 400
     state = json.loads((root / "checkpoint-400" / "trainer_state.json").read_text())
     logged = [e["step"] for e in state["log_history"] if "loss" in e]

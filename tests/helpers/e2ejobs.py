@@ -66,6 +66,16 @@ class Jobs:
             for p in sorted((self.stack.workdir / "nodeagent" / "pods").glob(f"{NS}_{name}-*/container.log"))
         )
 
+    def explain(self, name: str) -> str:
+        """What an assertion on a job's end should print: its last failure, its events and its logs' tail."""
+        status = self.status(name)
+        events = self.stack.cluster.api("GET", f"/apis/events.k8s.io/v1/namespaces/{NS}/events")["items"]
+        said = [f"{e['reason']}: {e.get('note', '')}" for e in events if (e.get("regarding") or {}).get("name") == name]
+        logs = sorted((self.stack.workdir / "nodeagent" / "pods").glob(f"{NS}_{name}-*/container.log"),
+                      key=lambda p: p.stat().st_mtime)  # fmt: skip
+        tails = [f"--- {p.parent.name}\n{p.read_text()[-1500:]}" for p in logs]
+        return "\n".join([f"lastFailure: {status.get('lastFailure')}", *said, *tails])
+
     def event_reasons(self, name: str) -> list[str]:
         events = self.stack.cluster.api("GET", f"/apis/events.k8s.io/v1/namespaces/{NS}/events")["items"]
         return [e["reason"] for e in events if (e.get("regarding") or {}).get("name") == name]

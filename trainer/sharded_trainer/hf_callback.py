@@ -50,6 +50,10 @@ class ShardedCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         report(state.global_step, total_steps=state.max_steps)
         flush()  # the final step reaches the job's status before the process exits
+        if dist.is_available() and dist.is_initialized():
+            # No rank leaves while another is still in the last step's collectives or the final save: a
+            # gloo peer whose connection closes mid-operation aborts, and the job would count a failure.
+            dist.barrier()
 
     def on_save(self, args, state, control, **kwargs):
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

@@ -8,11 +8,12 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.torchrun_jobs import ROOT, run_job, stop_at_step, write_config
+from helpers.torchrun_jobs import ROOT, Run, run_job, start_agents, stop_at_step, wait_agents, write_config
 from sharded_trainer.checkpoint import committed_steps, step_dir
 from tinyhf import ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 
@@ -292,3 +293,82 @@ def test_an_unusable_model_or_data_path_is_a_permanent_failure_that_names_it(cla
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]  # ExitCode.INVALID_CONFIG: failurePolicy's permanent default
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+# Each architecture, fully fine-tuned and with LoRA, under each strategy. The tests above run these with
+# more checks (eval, tokenization cache, merged export, exact resume); the rest share one launch.
+COVERED_ABOVE = {("llama", "fsdp", False), ("gemma", "zero2", True), ("qwen2", "zero2", False), ("qwen3", "fsdp", True)}
+MATRIX = [
+    (arch, strategy, lora)
+    for arch in ARCHITECTURES for strategy in ("fsdp", "zero2") for lora in (False, True)
+    if (arch, strategy, lora) not in COVERED_ABOVE
+]  # fmt: skip
+
+
+def matrix_overrides(arch: str, strategy: str, lora: bool) -> dict:
+    # Qwen's byte-level tokens make a record longer: longer rows, and more steps (LoRA on Qwen2 answers
+    # 33/40 after the 80 the Qwen tests above use).
+    longer = {"seqLen": 64, "steps": 120 if lora else 80} if arch.startswith("qwen") else {}
+    return {"strategy.type": strategy, "exportOnSuccess": True, "checkpoint.interval": 1000,
+            "data.evalFraction": 0.0, "data.evalEvery": None, **longer,
+            **({"lora.r": 8, "lora.alpha": 16} if lora else {})}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def matrix(claim, tmp_path_factory):
+    """Every run of MATRIX in one launch (tests/helpers/train_many.py); each run's metrics by its settings."""
+    tmp = tmp_path_factory.mktemp("matrix")
+    configs = [
+        finetune_config(tmp / "-".join(map(str, combo)), claim, combo[0], **matrix_overrides(*combo))
+        for combo in MATRIX
+    ]  # fmt: skip
+    (tmp / "configs.txt").write_text("\n".join(map(str, configs)))
+    log_dir = tmp / "logs"
+    log_dir.mkdir()
+    agents = start_agents(tmp / "configs.txt", script=[str(ROOT / "tests" / "helpers" / "train_many.py")],
+                          log_dir=log_dir, env={"DS_ACCELERATOR": "cpu"})  # fmt: skip
+    run = wait_agents(agents, log_dir, timeout=1500)
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    # Rank 0's output, cut where each run starts.
+    parts = (log_dir / "agent-0.log").read_text().split('METRICS {"event": "run"')[1:]
+    return {combo: (config.parent, Run([0], part)) for combo, config, part in zip(MATRIX, configs, parts, strict=True)}
+
+
+def trained_words(cache: Path, tokenizer, record: int) -> list[str]:
+    """The words of one tokenized record that carry loss."""
+    import numpy as np
+
+    tokens, trained = np.load(cache / "tokens.npy"), np.load(cache / "trained.npy")
+    start, end = np.load(cache / "offsets.npy")[record : record + 2]
+    ids = [int(t) for t, keep in zip(tokens[start:end], trained[start:end], strict=True) if keep]
+    return tokenizer.decode(ids, skip_special_tokens=True).split()
+
+
+@pytest.mark.parametrize(
+    ("arch", "strategy", "lora"), MATRIX, ids=lambda v: ("lora" if v else "full") if isinstance(v, bool) else v
+)
+def test_each_architecture_learns_the_chat_task_fully_and_with_lora_under_each_strategy(
+    matrix, claim, arch, strategy, lora
+):
+    """Loss from near chance to well below it, loss on the answers only, and the export (the model, or the
+    adapter over the untouched base) answers the task by greedy generation."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, run = matrix[arch, strategy, lora]
+    losses = run.losses()
+    assert losses[5] > 0.5 and losses[max(losses)] < 0.5, losses
+    layout = run.event("layout")
+    assert layout["strategy"] == strategy, layout
+    base = str(claim / "models" / arch)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    [cache] = (directory / "ckpt" / "tokenized").iterdir()
+    records = [json.loads(line) for line in (claim / "data" / "chat.jsonl").read_text().splitlines()]
+    for n in (0, 1, 2, 5):  # record 0 and 5 open with a system turn
+        assert trained_words(cache, tokenizer, n) == records[n]["messages"][-1]["content"].split()
+    exported = run.event("exported")["path"]
+    model = AutoModelForCausalLM.from_pretrained(base if lora else exported)
+    if lora:
+        model = PeftModel.from_pretrained(model, exported)
+        assert json.loads((Path(exported) / "adapter_config.json").read_text())["r"] == 8
+    assert answers_right(model, AutoTokenizer.from_pretrained(exported)) >= 36

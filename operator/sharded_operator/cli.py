@@ -8,6 +8,7 @@
     sharded logs llama -f             # every node's pod, merged, each line prefixed with its node
     sharded suspend llama; sharded resume llama
     sharded export llama --step 5000   # one safetensors file on the job's claim, from a sharded checkpoint
+    sharded plan -f job.yaml --gpu-memory 80Gi --model ./Llama-3-8B   # peak memory per GPU, each strategy
 
 Installed as `kubectl-stj` too, so kubectl finds it as a plugin (`kubectl stj list`); the kubeconfig is
 the caller's (KUBECONFIG or ~/.kube/config, or --kubeconfig).
@@ -23,9 +24,10 @@ import sys
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from sharded_operator.client import Client, Job, JobError
-from sharded_operator.models import GROUP, KIND, VERSION
+from sharded_operator.models import GROUP, KIND, VERSION, ShardedTrainingJobSpec
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -130,7 +132,33 @@ def show(job: Job, output: str) -> str:
     return "\n".join(lines)
 
 
+def plan(a: argparse.Namespace) -> int:
+    """The trainer's memory model for a job as its manifest (and --set) describes it: nodes, processes,
+    micro-batch, seq, LoRA. The model's shape comes from a preset or a local copy of its config.json."""
+    from sharded_trainer import memplan  # pure Python, no torch for a model directory
+
+    try:
+        spec = ShardedTrainingJobSpec.model_validate(manifest(a).get("spec") or {})
+    except ValidationError as e:
+        raise JobError(f"{a.file}: {e}") from None
+    trainer, gpus = spec.trainer, spec.resources.gpus_per_node
+    model = a.model or (trainer.model.huggingface.path if trainer.model.huggingface else trainer.model.preset)
+    try:
+        shape = memplan.load_shape(model)
+    except ValueError as e:
+        raise JobError(f"{e}; the job's model directory is on its claim: give --model with a local copy of its "
+                       "config.json") from None  # fmt: skip
+    procs = spec.procs_per_node if spec.procs_per_node != "auto" else max(gpus, 1)
+    lora = trainer.lora
+    job = memplan.Job(shape, spec.nodes * procs, trainer.micro_batch_size, trainer.seq_len,
+                      lora.r if lora else None, bool(lora and lora.quantize_base))  # fmt: skip
+    print(memplan.table(job, memplan.parse_memory(a.gpu_memory)))
+    return 0
+
+
 def run(a: argparse.Namespace) -> int:
+    if a.command == "plan":
+        return plan(a)
     jobs = Client.connect(kubeconfig=a.kubeconfig, namespace=a.namespace)
     if a.command == "submit":
         job = jobs.create(manifest(a))
@@ -200,6 +228,13 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("name")
     ex.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     ex.add_argument("--timeout", type=duration, default=1800, help="e.g. 30m (default 30m)")
+    pl = sub.add_parser("plan", help="peak GPU memory per strategy and option for a job, and the fastest that fits")
+    pl.add_argument("-f", "--file", required=True, help="the job's manifest (- for stdin)")
+    pl.add_argument("--gpu-memory", required=True, help="each GPU's memory, e.g. 80Gi or 141G")
+    pl.add_argument("--model", help="a local model directory or preset, for a model on the job's claim")
+    pl.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                    help="change the manifest first, e.g. trainer.microBatchSize=8")  # fmt: skip
+    pl.set_defaults(name=None)
     lg = sub.add_parser("logs", help="every node's log of the current attempt, merged, prefixed by node")
     lg.add_argument("name")
     lg.add_argument("-f", "--follow", action="store_true")

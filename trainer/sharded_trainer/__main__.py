@@ -3,6 +3,8 @@
 `python -m sharded_trainer export --config FILE --checkpoint DIR --out PATH [--merge]` consolidates
 a checkpoint: a preset's into one safetensors file, a Hugging Face model's into a Hugging Face directory (with
 LoRA: the adapter in peft's format, and with --merge the merged model under PATH/merged).
+`python -m sharded_trainer plan --model DIR|PRESET --nodes N --gpus-per-node G --gpu-memory 80Gi` prints the
+memory model's peak per GPU for each strategy and option, and the fastest setting that fits.
 Exit codes (`contract.ExitCode`): 0 done, 2 invalid config (before any process group starts), 75 stopped
 by SIGTERM after a final checkpoint.
 """
@@ -34,11 +36,46 @@ def _export_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sharded_trainer plan", description="peak GPU memory per setting")
+    p.add_argument("--model", required=True, help="a Hugging Face model directory or a preset name")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--gpu-memory", required=True, help="each GPU's memory, e.g. 80Gi or 141G")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per GPU per step (microBatchSize)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (seqLen)")
+    p.add_argument("--lora", type=int, metavar="R", help="LoRA of this rank on every linear layer")
+    p.add_argument("--nf4", action="store_true", help="with --lora: an NF4 base (QLoRA)")
+    p.add_argument("--compile", action="store_true", help="compiled blocks")
+    return p
+
+
+def _plan(argv: list[str]) -> int:
+    from sharded_trainer import memplan
+
+    a = _plan_parser().parse_args(argv)
+    try:
+        shape = memplan.load_shape(a.model)
+        gpu = memplan.parse_memory(a.gpu_memory)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
+    if min(a.nodes, a.gpus_per_node, a.micro_batch, a.seq) < 1 or (a.nf4 and not a.lora):
+        print("error: --nodes, --gpus-per-node, --micro-batch and --seq must be at least 1; --nf4 needs --lora",
+              file=sys.stderr)  # fmt: skip
+        return ExitCode.INVALID_CONFIG
+    job = memplan.Job(shape, a.nodes * a.gpus_per_node, a.micro_batch, a.seq, a.lora, a.nf4, a.compile)
+    print(memplan.table(job, gpu))
+    return ExitCode.OK
+
+
 def main(argv: list[str] | None = None) -> int:
     return record_exit(_main(sys.argv[1:] if argv is None else argv))
 
 
 def _main(argv: list[str]) -> int:
+    if argv[:1] == ["plan"]:
+        return _plan(argv[1:])
     export = bool(argv) and argv[0] == "export"
     args = _export_parser().parse_args(argv[1:]) if export else _parser().parse_args(argv)
     try:

@@ -1,0 +1,118 @@
+"""The memory model (sharded_trainer.memplan) against the peak GPU memory the trainer reached on H200s, from
+the runs kept in bench/results: every run of the current loss (run 5 on) that was not used to fit the model's
+three constants, and the 8B-shape LoRA and QLoRA runs of both strategies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from memplan_check import held_out_runs
+
+from sharded_trainer import memplan
+from sharded_trainer.memplan import GIB, Job, Setting, estimate, load_shape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_runs_held_out_cover_every_option_the_model_has():
+    runs = held_out_runs()
+    configurations = {(job, setting) for _, _, job, setting, _ in runs}
+    assert len(configurations) >= 8, configurations
+    settings = {setting for _, _, _, setting, _ in runs}
+    assert {Setting("fsdp"), Setting("fsdp", reshard=False), Setting("zero2"), Setting("fsdp", offload=True),
+            Setting("zero2", checkpointing=True), Setting("zero2", offload=True)} <= settings  # fmt: skip
+    assert {job.nf4 for _, _, job, _, _ in runs if job.lora_r} == {False, True}
+    assert {job.world for _, _, job, _, _ in runs} == {1, 2} and any(job.compile for _, _, job, _, _ in runs)
+
+
+@pytest.mark.parametrize(("name", "arm", "job", "setting", "measured"), held_out_runs(),
+                         ids=lambda v: v if isinstance(v, str) else None)  # fmt: skip
+def test_each_prediction_is_within_ten_percent_of_the_measured_peak(name, arm, job, setting, measured):
+    predicted = estimate(job, setting).peak / GIB
+    assert predicted == pytest.approx(measured, rel=0.10), (setting.label, predicted, measured)
+
+
+def test_the_parameter_count_is_the_models():
+    assert load_shape("llama-1b").params == 1_235_814_400  # the runs' own count
+    assert load_shape("llama-8b").params == 8_030_261_248  # Llama-3-8B
+
+
+def test_a_hugging_face_directory_is_read_from_its_config(tmp_path):
+    from tinyhf import write_model
+
+    write_model(tmp_path / "qwen3", "qwen3")
+    config = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    shape = load_shape(str(tmp_path / "qwen3"))
+    assert (shape.hidden, shape.layers, shape.vocab) == (config["hidden_size"], config["num_hidden_layers"],
+                                                         config["vocab_size"])  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen3"))
+    counted = sum(p.numel() for p in model.parameters())
+    # Qwen3's per-head q/k norms and any biases are not counted: a few hundred parameters of a tiny model.
+    assert shape.params == pytest.approx(counted, rel=0.02)
+
+
+def test_the_plan_picks_the_fastest_setting_that_fits_and_says_when_nothing_does():
+    shape = load_shape("llama-8b")
+    estimates, chosen = memplan.plan(Job(shape, 16, 2, 2048), 80 * GIB)
+    assert chosen is estimates[0] and chosen.setting == Setting("fsdp", reshard=False)
+    # Twice the micro-batch: every block gathered until backward no longer fits beside the activations.
+    _, chosen = memplan.plan(Job(shape, 16, 4, 2048), 80 * GIB)
+    assert chosen.setting == Setting("fsdp")
+    # Full fine-tuning of 8B on 2 GPUs of 80 GiB: the fp32 state alone is 45 GiB a GPU; checkpointing fits.
+    estimates, chosen = memplan.plan(Job(shape, 2, 4, 2048), 80 * GIB)
+    assert chosen is not None and chosen.setting.checkpointing and chosen.peak <= 0.9 * 80 * GIB
+    assert all(e.peak > 0.9 * 80 * GIB for e in estimates[: estimates.index(chosen)])
+    _, chosen = memplan.plan(Job(shape, 1, 64, 8192), 24 * GIB)
+    assert chosen is None
+
+
+def test_the_plan_command_prints_the_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "sharded_trainer", "plan", "--model", "llama-8b", "--nodes", "1", "--gpus-per-node",
+         "2", "--gpu-memory", "80Gi", "--micro-batch", "4", "--seq", "2048"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "8.03B parameters" in out and "<- chosen" in out and "activationCheckpointing" in out
+    bad = subprocess.run([sys.executable, "-m", "sharded_trainer", "plan", "--model", "/no/such", "--nodes", "1",
+                          "--gpus-per-node", "1", "--gpu-memory", "80Gi"], capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "--model /no/such" in bad.stderr
+
+
+def test_gpu_memory_is_read_as_kubernetes_quantities():
+    assert memplan.parse_memory("80Gi") == 80 * GIB and memplan.parse_memory("141G") == 141e9
+    assert memplan.parse_memory("80GiB") == 80 * GIB
+
+
+def sharded(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sharded_operator.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
+
+
+def test_sharded_plan_reads_the_job_from_its_manifest(tmp_path):
+    """`sharded plan`: nodes x processes, micro-batch and seq from the manifest (and --set); the model from a
+    preset, or from a local copy of the config.json of a model that lives on the job's claim."""
+    out = sharded("plan", "-f", "examples/fsdp-8gpu-infiniband.yaml", "--gpu-memory", "80Gi")
+    assert out.returncode == 0, out.stderr
+    assert "1.24B parameters" in out.stdout and "32 processes, micro-batch 8 x seq 2048" in out.stdout
+    assert "<- chosen" in out.stdout
+    changed = sharded("plan", "-f", "examples/fsdp-8gpu-infiniband.yaml", "--gpu-memory", "80Gi",
+                      "--set", "trainer.microBatchSize=64")  # fmt: skip
+    assert "micro-batch 64 x seq 2048" in changed.stdout and "nothing fits" in changed.stdout
+
+    on_claim = sharded("plan", "-f", "examples/qwen-qlora-chat.yaml", "--gpu-memory", "80Gi")
+    assert on_claim.returncode == 1 and "give --model with a local copy" in on_claim.stderr
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({  # Qwen2.5-7B-Instruct's shape
+        "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
+    }))  # fmt: skip
+    local = sharded("plan", "-f", "examples/qwen-qlora-chat.yaml", "--gpu-memory", "80Gi", "--model", str(qwen))
+    assert local.returncode == 0, local.stderr
+    assert "7.62B parameters" in local.stdout and "LoRA r16 on an NF4 base" in local.stdout

@@ -1,0 +1,249 @@
+"""Peak GPU memory per process for each way of running a job, from the model's shape alone: the memory model
+behind `python -m sharded_trainer plan`. No torch: it runs anywhere, before anything is loaded.
+
+Peak = max(end of forward, optimizer step), each the sum of what the strategy keeps per process and what the
+step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state is sharded over):
+
+- FSDP2: fp32 parameters 4B/W and Adam's moments 8B/W; the fp32 gradients (4B/W) exist from backward to the
+  step, when the activations are gone. The gathered bf16 copies of the output head and of the block in flight
+  are a transient; with reshardAfterForward false every block's stays gathered (2 bytes per block
+  parameter, unsharded). cpuOffload keeps all of the state in host memory.
+- ZeRO-2: bf16 parameters on every process (2B), fp32 master 4B/W and moments 8B/W; cpuOffloadOptimizer
+  moves the last two to the host.
+- LoRA: the frozen base in bf16 (sharded under FSDP2, whole under ZeRO-2) or, with an NF4 base, its
+  decoder linears at about half a byte each; the adapters (rank r on every linear of the decoder) trained
+  as above.
+- Activations per token: per block, the tensors a Llama block saves for backward (7 of the hidden width,
+  3 of the key/value width, 4 of the MLP width, in bf16) times ACT_SCALE; for the output head and the fp32
+  loss, LOGIT_BYTES per vocabulary entry. Activation checkpointing keeps each block's input and recomputes
+  one block at a time. A compiled block saves COMPILED of it.
+
+The three constants were fitted on four runs of the trainer on H200s (FIT_RUNS); tests/unit/test_memplan.py
+checks the model against every other run in bench/results, within 10%.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+GIB = 1024**3
+ACT_SCALE = 1.013  # measured bytes per token per block over the saved tensors counted (llama-1b)
+LOGIT_BYTES = 11.3  # per token and vocabulary entry: bf16 logits, their fp32 upcast and its gradient
+COMPILED = 0.574  # a compiled block's activations over an eager one's
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, a 1-byte scale per 64 values, an fp32 one per 256 scales
+MARGIN = 0.9  # a setting fits when its peak is under this share of the GPU's memory
+FIT_RUNS = (
+    ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4"),
+    ("h200x2-eager-run10.txt", "trainer-fsdp2-b8"),
+    ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4-actckpt"),
+    ("h200-options-1gpu-run15.txt", "trainer-fsdp2-b4-1gpu-compiled"),
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer's shape (Llama, Qwen, Mistral, Gemma)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> Shape:
+        text = config.get("text_config") or config  # multimodal configs nest the language model's
+        hidden, heads = text["hidden_size"], text["num_attention_heads"]
+        return cls(
+            hidden=hidden, layers=text["num_hidden_layers"], heads=heads,
+            kv_heads=text.get("num_key_value_heads") or heads, head_dim=text.get("head_dim") or hidden // heads,
+            ffn=text["intermediate_size"], vocab=text["vocab_size"],
+            tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        )  # fmt: skip
+
+    @property
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) of each linear layer of a block."""
+        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
+        return [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+
+    @property
+    def block_linear_params(self) -> int:
+        return sum(i * o for i, o in self.linears)
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        blocks = self.layers * (self.block_linear_params + 2 * self.hidden)
+        return blocks + self.embedding * (1 if self.tied else 2) + self.hidden
+
+    def lora_params(self, r: int) -> int:
+        return self.layers * r * sum(i + o for i, o in self.linears)
+
+    def block_act_bytes(self) -> float:
+        """Bytes a block saves for backward per token."""
+        kv = self.kv_heads * self.head_dim
+        return ACT_SCALE * 2 * (7 * self.hidden + 3 * kv + 4 * self.ffn)
+
+
+def load_shape(model: str) -> Shape:
+    """A preset's name, or a Hugging Face model directory (its config.json)."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return Shape.from_hf_config(json.loads(config.read_text()))
+    from sharded_trainer.model import PRESETS  # torch only for a preset
+
+    if model not in PRESETS:
+        raise ValueError(f"--model {model}: neither a directory with config.json nor a preset ({', '.join(PRESETS)})")
+    a = PRESETS[model]
+    return Shape(a.dim, a.n_layers, a.n_heads, a.n_kv_heads or a.n_heads, a.dim // a.n_heads, a.ffn_dim,
+                 a.vocab_size, a.tie_embeddings)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run: the strategy and the options that move memory."""
+
+    strategy: str  # fsdp | zero2
+    reshard: bool = True  # fsdp: reshardAfterForward
+    offload: bool = False  # fsdp: cpuOffload; zero2: cpuOffloadOptimizer
+    checkpointing: bool = False
+
+    @property
+    def label(self) -> str:
+        parts = [self.strategy]
+        if self.strategy == "fsdp" and not self.reshard:
+            parts.append("noReshard")
+        if self.checkpointing:
+            parts.append("activationCheckpointing")
+        if self.offload:
+            parts.append("cpuOffload" if self.strategy == "fsdp" else "cpuOffloadOptimizer")
+        return "+".join(parts)
+
+    def overrides(self) -> dict:
+        """The trainer config's strategy section for this setting."""
+        if self.strategy == "fsdp":
+            options = {"reshardAfterForward": self.reshard, "cpuOffload": self.offload,
+                       "activationCheckpointing": self.checkpointing}  # fmt: skip
+        else:
+            options = {"cpuOffloadOptimizer": self.offload, "activationCheckpointing": self.checkpointing}
+        return {"type": self.strategy, self.strategy: options}
+
+
+# Fastest first, from the H200 runs (docs/benchmarks.md): FSDP2 a little ahead of ZeRO-2, checkpointing about
+# 0.8x, offload several times slower.
+SETTINGS = (
+    Setting("fsdp", reshard=False), Setting("fsdp"), Setting("zero2"),
+    Setting("fsdp", checkpointing=True), Setting("zero2", checkpointing=True),
+    Setting("zero2", checkpointing=True, offload=True), Setting("fsdp", checkpointing=True, offload=True),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the job trains: the model, the processes the state is sharded over, and the micro-batch."""
+
+    shape: Shape
+    world: int
+    micro_batch: int
+    seq: int
+    lora_r: int | None = None
+    nf4: bool = False
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class Estimate:
+    setting: Setting
+    state: float  # parameters, gradients and optimizer state on the GPU at the step, bytes
+    activations: float
+    transient: float
+    peak: float
+
+
+def estimate(job: Job, setting: Setting) -> Estimate:
+    s, w = job.shape, job.world
+    fsdp = setting.strategy == "fsdp"
+    if job.lora_r is None:
+        trained, frozen = s.params, 0.0
+    else:
+        trained = s.lora_params(job.lora_r)
+        linear = s.layers * s.block_linear_params
+        frozen = (linear * NF4_BYTES + (s.params - linear) * 2) if job.nf4 else s.params * 2
+        frozen /= w if fsdp else 1  # ZeRO-2 keeps whole parameters on every process
+    # Kept across the step: fp32 master (FSDP2's sharded parameters) and Adam's two moments; ZeRO-2 adds
+    # the bf16 parameters every process computes with.
+    kept = 0.0 if setting.offload and fsdp else frozen + (0 if setting.offload else 12 * trained / w)
+    if not fsdp:
+        kept += 2 * trained
+    grads = 0.0 if setting.offload else 4 * trained / w
+    tokens = job.micro_batch * job.seq
+    blocks = s.layers * s.block_act_bytes()
+    if setting.checkpointing:
+        blocks = s.layers * 2 * s.hidden + s.block_act_bytes()
+    act = tokens * (blocks + s.vocab * LOGIT_BYTES) * (COMPILED if job.compile else 1.0)
+    block_bf16 = 2 * (s.block_linear_params + 2 * s.hidden)
+    # FSDP2 gathers the output head (or the tied embedding) for the logits, and the blocks in flight; without
+    # resharding every block's gathered copy stays until backward. An NF4 weight is dequantized as it is used.
+    transient = 0.0
+    if fsdp:
+        transient = 2 * s.embedding + block_bf16 + (0 if setting.reshard else s.layers * block_bf16)
+    elif job.nf4:
+        transient = block_bf16
+    peak = max(kept + act + transient, kept + grads + transient)
+    return Estimate(setting, kept + grads, act, transient, peak)
+
+
+def plan(job: Job, gpu_bytes: float) -> tuple[list[Estimate], Estimate | None]:
+    """Every setting's estimate, and the fastest that fits with the margin (None: none fits)."""
+    estimates = [estimate(job, st) for st in SETTINGS]
+    fits = [e for e in estimates if e.peak <= MARGIN * gpu_bytes]
+    return estimates, (fits[0] if fits else None)
+
+
+def parse_memory(text: str) -> float:
+    """`80Gi`, `141G`, `80GiB` or bytes."""
+    units = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+    t = text.strip().lower().removesuffix("b")
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            return float(t[: -len(unit)]) * units[unit]
+    return float(t)
+
+
+def table(job: Job, gpu_bytes: float) -> str:
+    estimates, chosen = plan(job, gpu_bytes)
+    s = job.shape
+    lines = [
+        f"model: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, vocabulary {s.vocab})"
+        + (f", LoRA r{job.lora_r}" + (" on an NF4 base" if job.nf4 else "") if job.lora_r else ", full fine-tuning"),
+        f"{job.world} processes, micro-batch {job.micro_batch} x seq {job.seq}"
+        + (", compiled" if job.compile else "") + f"; GPU {gpu_bytes / GIB:.0f} GiB, fits under {MARGIN:.0%}",
+        "",
+        f"{'setting':<50} {'state':>8} {'activ.':>8} {'transient':>9} {'peak GiB':>9}  fits",
+    ]
+    for e in estimates:
+        mark = ("yes" if e.peak <= MARGIN * gpu_bytes else "no") + ("  <- chosen" if e is chosen else "")
+        lines.append(f"{e.setting.label:<50} {e.state / GIB:8.1f} {e.activations / GIB:8.1f} "
+                     f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f}  {mark}")  # fmt: skip
+    if chosen is None:
+        lines.append("\nnothing fits: lower microBatchSize or seqLen, add nodes, or use LoRA")
+    return "\n".join(lines)
+
+
+def largest_batch(job: Job, setting: Setting, gpu_bytes: float) -> int:
+    """The largest micro-batch with which `setting` fits (0: not even one sequence)."""
+    if estimate(replace(job, micro_batch=1), setting).peak > MARGIN * gpu_bytes:
+        return 0
+    one = estimate(replace(job, micro_batch=1), setting)
+    per = one.activations
+    return max(1, math.floor((MARGIN * gpu_bytes - (one.peak - per)) / per)) if per else job.micro_batch

@@ -204,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1)")
     s.add_argument("--procs-per-node", type=int, default=1, help="processes per pod (default 1)")
     s.add_argument("--gpus-per-node", type=int, help="GPUs per pod")
-    s.add_argument("--strategy", choices=["fsdp", "zero2"], help="sharding strategy")
+    s.add_argument("--strategy", choices=["fsdp", "zero2", "auto"], help="sharding strategy (auto: the trainer picks)")
     s.add_argument("--preset", help="model preset of the bundled trainer")
     s.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="any spec field, e.g. trainer.steps=1000 (repeatable)")  # fmt: skip

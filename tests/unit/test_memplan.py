@@ -116,3 +116,38 @@ def test_sharded_plan_reads_the_job_from_its_manifest(tmp_path):
     local = sharded("plan", "-f", "examples/qwen-qlora-chat.yaml", "--gpu-memory", "80Gi", "--model", str(qwen))
     assert local.returncode == 0, local.stderr
     assert "7.62B parameters" in local.stdout and "LoRA r16 on an NF4 base" in local.stdout
+
+
+def auto_config(**changes):
+    from sharded_trainer.config import TrainerConfig
+
+    body = {"model": {"preset": "llama-8b"}, "microBatchSize": 4, "seqLen": 2048, "strategy": {"type": "auto"},
+            "precision": "bf16"}  # fmt: skip
+    return TrainerConfig.model_validate({**body, **changes})
+
+
+def test_auto_settles_on_the_fastest_setting_that_fits_and_keeps_the_other_options():
+    cfg = auto_config(strategy={"type": "auto", "fsdp": {"compile": True, "prefetch": 2}})
+    settled, why = memplan.settle(cfg, 2, 80 * GIB)
+    assert settled.strategy.type == "fsdp" and settled.strategy.fsdp.activation_checkpointing
+    assert settled.strategy.fsdp.compile and settled.strategy.fsdp.prefetch == 2  # the user's, untouched
+    assert why.startswith("auto: fsdp+activationCheckpointing") and "fsdp would need 101.4" in why
+    settled, why = memplan.settle(cfg, 64, 80 * GIB)
+    assert settled.strategy.type == "fsdp" and not settled.strategy.fsdp.reshard_after_forward
+    assert "would need" not in why
+
+
+def test_auto_keeps_the_strategy_of_the_checkpoint_and_zero2_for_fp16():
+    settled, why = memplan.settle(auto_config(), 64, 80 * GIB, kept="zero2")
+    assert settled.strategy.type == "zero2" and "the newest checkpoint is zero2's" in why
+    settled, _ = memplan.settle(auto_config(precision="fp16"), 64, 80 * GIB)
+    assert settled.strategy.type == "zero2"
+    settled, why = memplan.settle(auto_config(), 2, None)
+    assert settled.strategy.type == "fsdp" and "no GPU" in why
+
+
+def test_auto_refuses_before_training_when_nothing_fits():
+    from sharded_trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no setting fits in 90% of the GPU's 24 GiB at microBatchSize 64"):
+        memplan.settle(auto_config(microBatchSize=64), 1, 24 * GIB)

@@ -92,6 +92,17 @@ def newest_committed(root: Path) -> Path | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
+def saved_strategy(directory: Path) -> str | None:
+    """The strategy.type that wrote a committed checkpoint (from its fingerprint), if it says."""
+    try:
+        state = json.loads((directory / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    fingerprint = state.get("fingerprint") if isinstance(state, dict) else None
+    kind = fingerprint.get("strategy") if isinstance(fingerprint, dict) else None
+    return kind if kind in ("fsdp", "zero2") else None
+
+
 def resolve_step_dir(path: str) -> Path:
     """`path` itself if it is a committed checkpoint, else the newest committed checkpoint under it."""
     p = Path(path)

@@ -214,7 +214,13 @@ class Zero2Options(Model):
 class StrategyConfig(Model):
     """The one switch between FSDP2 and ZeRO-2, with each one's options."""
 
-    type: Literal["fsdp", "zero2"] = Field("fsdp", description="fsdp (PyTorch FSDP2) or zero2 (DeepSpeed ZeRO-2).")
+    type: Literal["fsdp", "zero2", "auto"] = Field(
+        "fsdp",
+        description="fsdp (PyTorch FSDP2), zero2 (DeepSpeed ZeRO-2), or auto: at start the trainer picks the fastest "
+        "setting (strategy, resharding, activation checkpointing, offload) that its memory model says fits in 90% "
+        "of the GPU (`python -m sharded_trainer plan`), keeps the strategy of the job's newest checkpoint, and "
+        "says why in an event; the chosen section's other options (compile, prefetch, buckets) apply.",
+    )  # fmt: skip
     fsdp: FsdpOptions = Field(default_factory=FsdpOptions, description="Used when type is fsdp.")
     zero2: Zero2Options = Field(default_factory=Zero2Options, description="Used when type is zero2.")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from sharded_trainer.checkpoint import resolve_step_dir
+from sharded_trainer.checkpoint import resolve_step_dir, saved_strategy
 from sharded_trainer.config import TrainerConfig
 from sharded_trainer.hf_export import export_hf
 from sharded_trainer.model import build_model
@@ -19,6 +19,11 @@ def load_model_state(cfg: TrainerConfig, directory: Path) -> dict[str, torch.Ten
 
 
 def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str, *, merge: bool = False) -> Path:
+    if cfg.strategy.type == "auto":  # the strategy the run settled on is the one its checkpoint names
+        kind = saved_strategy(resolve_step_dir(checkpoint))
+        if kind is None:
+            raise ValueError(f"{checkpoint}: the checkpoint does not say which strategy wrote it; set strategy.type")
+        cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"type": kind})})
     if cfg.model.huggingface is not None:
         return export_hf(cfg, checkpoint, out, merge=merge)
     from safetensors.torch import save_file

@@ -1,5 +1,6 @@
 """Peak GPU memory per process for each way of running a job, from the model's shape alone: the memory model
-behind `python -m sharded_trainer plan`. No torch: it runs anywhere, before anything is loaded.
+behind `python -m sharded_trainer plan`, `sharded plan` and `strategy.type: auto`. No torch: it runs anywhere,
+before anything is loaded.
 
 Peak = max(end of forward, optimizer step), each the sum of what the strategy keeps per process and what the
 step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state is sharded over):
@@ -28,6 +29,9 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from sharded_trainer.config import ConfigError, StrategyConfig, TrainerConfig
+from sharded_trainer.presets import PRESETS
 
 GIB = 1024**3
 ACT_SCALE = 1.013  # measured bytes per token per block over the saved tensors counted (llama-1b)
@@ -100,8 +104,6 @@ def load_shape(model: str) -> Shape:
     config = Path(model) / "config.json"
     if config.is_file():
         return Shape.from_hf_config(json.loads(config.read_text()))
-    from sharded_trainer.model import PRESETS  # torch only for a preset
-
     if model not in PRESETS:
         raise ValueError(f"--model {model}: neither a directory with config.json nor a preset ({', '.join(PRESETS)})")
     a = PRESETS[model]
@@ -128,6 +130,17 @@ class Setting:
         if self.offload:
             parts.append("cpuOffload" if self.strategy == "fsdp" else "cpuOffloadOptimizer")
         return "+".join(parts)
+
+    def apply(self, strategy: StrategyConfig) -> StrategyConfig:
+        """`strategy` with this setting's type and options; its other options stay as they were."""
+        if self.strategy == "fsdp":
+            options = strategy.fsdp.model_copy(update={"reshard_after_forward": self.reshard,
+                                                       "cpu_offload": self.offload,
+                                                       "activation_checkpointing": self.checkpointing})  # fmt: skip
+        else:
+            options = strategy.zero2.model_copy(update={"cpu_offload_optimizer": self.offload,
+                                                        "activation_checkpointing": self.checkpointing})  # fmt: skip
+        return strategy.model_copy(update={"type": self.strategy, self.strategy: options})
 
     def overrides(self) -> dict:
         """The trainer config's strategy section for this setting."""
@@ -247,3 +260,48 @@ def largest_batch(job: Job, setting: Setting, gpu_bytes: float) -> int:
     one = estimate(replace(job, micro_batch=1), setting)
     per = one.activations
     return max(1, math.floor((MARGIN * gpu_bytes - (one.peak - per)) / per)) if per else job.micro_batch
+
+
+def job_of(cfg: TrainerConfig, world: int) -> Job:
+    """The memory model's view of a trainer config run by `world` processes."""
+    model = cfg.model.huggingface.path if cfg.model.huggingface else cfg.model.preset
+    if model is None:
+        raise ConfigError("strategy.type auto needs model.preset or model.huggingface")
+    if cfg.model.huggingface and not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"model.huggingface.path {model}: no config.json there")
+    lora = cfg.lora
+    return Job(load_shape(model), world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
+               bool(lora and lora.quantize_base))  # fmt: skip
+
+
+def settle(
+    cfg: TrainerConfig, world: int, gpu_bytes: float | None, kept: str | None = None
+) -> tuple[TrainerConfig, str]:
+    """strategy.type auto made concrete: the fastest setting that fits in MARGIN of `gpu_bytes` (any, the
+    fastest, without a GPU), among those of strategy `kept` when a checkpoint of it is to be resumed (FSDP2
+    and ZeRO-2 checkpoints are not interchangeable) and of ZeRO-2 under fp16; the config and why."""
+    types = {kept} if kept else ({"zero2"} if cfg.precision == "fp16" else {"fsdp", "zero2"})
+    candidates = [st for st in SETTINGS if st.strategy in types]
+    keeping = f"; the newest checkpoint is {kept}'s" if kept else ""
+    if gpu_bytes is None:
+        chosen = candidates[0]
+        return cfg.model_copy(update={"strategy": chosen.apply(cfg.strategy)}), (
+            f"auto: {chosen.label} (no GPU: no memory bound{keeping})")
+    job = job_of(cfg, world)
+    estimates = [estimate(job, st) for st in candidates]
+    fits = [e for e in estimates if e.peak <= MARGIN * gpu_bytes]
+    if not fits:
+        least = min(estimates, key=lambda e: e.peak)
+        raise ConfigError(
+            f"strategy.type auto: no setting fits in {MARGIN:.0%} of the GPU's {gpu_bytes / GIB:.0f} GiB at "
+            f"microBatchSize {cfg.micro_batch_size} and seqLen {cfg.seq_len}{keeping} (the least, "
+            f"{least.setting.label}, needs {least.peak / GIB:.1f} GiB): lower microBatchSize or seqLen, add nodes, "
+            "or use LoRA"
+        )  # fmt: skip
+    chosen = fits[0]
+    faster = estimates[: estimates.index(chosen)]
+    skipped = "".join(f", {e.setting.label} would need {e.peak / GIB:.1f}" for e in faster)
+    return cfg.model_copy(update={"strategy": chosen.setting.apply(cfg.strategy)}), (
+        f"auto: {chosen.setting.label}, {chosen.peak / GIB:.1f} GiB predicted per GPU of {gpu_bytes / GIB:.0f} GiB"
+        f"{skipped}{keeping}")
+

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sharded_trainer import records
-from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible
+from sharded_trainer import memplan, records
+from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
 from sharded_trainer.config import RECORD_SOURCES, TrainerConfig, accumulation_for, describe_batch, with_kept_batch
 from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
 from sharded_trainer.data import IGNORE, ShardedLoader, TokenSource, collate
@@ -135,6 +135,19 @@ def evaluate(strategy, source, cfg: TrainerConfig, env: DistEnv) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
+def settle_auto(cfg: TrainerConfig, env: DistEnv) -> tuple[TrainerConfig, str]:
+    """strategy.type auto: every rank settles on the same setting, from the job's smallest GPU and the strategy
+    of the newest checkpoint (rank 0 lists the claim, as the resume does)."""
+    gpu = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir and cfg.checkpoint.resume and env.is_main else None
+    newest = newest_committed(root) if root else None
+    mine = (gpu, saved_strategy(newest) if newest else None)
+    every: list = [None] * env.world
+    dist.all_gather_object(every, mine)
+    gpus = [g for g, _ in every if g is not None]
+    return memplan.settle(cfg, env.world, min(gpus) if gpus else None, every[0][1])
+
+
 def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) -> int:
     """Train until cfg.steps or SIGTERM. Rank 0 reports progress and events to `target` (the operator)."""
     stop = StopRequest()
@@ -144,6 +157,11 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     cfg = with_kept_batch(cfg, env.local_world)
     accum, global_batch = accumulation_for(cfg, env.world)
     cfg = cfg.model_copy(update={"grad_accum_steps": accum})
+    chose = None
+    if cfg.strategy.type == "auto":  # before the model is built: the strategy decides how it is loaded
+        cfg, chose = settle_auto(cfg, env)
+        if env.is_main:
+            emit({"event": "auto", "strategy": cfg.strategy.model_dump(mode="json", by_alias=True), "why": chose})
     net = build_network(cfg)
     source, held_out = token_source(cfg, env, net.vocab_size)
     strategy = build_strategy(net, cfg, env)
@@ -172,7 +190,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     report.event(
         TrainerEventType.SETTING_CHOSEN,
         f"{cfg.strategy.type} on {env.world} processes ({strategy.layout}), backend {env.backend} "
-        f"on {env.device.type}, {describe_batch(cfg, env.world)}",
+        f"on {env.device.type}, {describe_batch(cfg, env.world)}" + (f"; {chose}" if chose else ""),
     )
 
     step = 0

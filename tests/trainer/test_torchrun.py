@@ -171,7 +171,7 @@ def test_bad_config_fails_before_any_process_group_naming_the_field(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "steps: Input should be greater than or equal to 1 (got 0)" in proc.stderr
-    assert "strategy.type: Input should be 'fsdp' or 'zero2' (got 'zero3')" in proc.stderr
+    assert "strategy.type: Input should be 'fsdp', 'zero2' or 'auto' (got 'zero3')" in proc.stderr
     assert "torch imported: False" in proc.stdout
 
 

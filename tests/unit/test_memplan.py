@@ -151,3 +151,39 @@ def test_auto_refuses_before_training_when_nothing_fits():
 
     with pytest.raises(ConfigError, match="no setting fits in 90% of the GPU's 24 GiB at microBatchSize 64"):
         memplan.settle(auto_config(microBatchSize=64), 1, 24 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[1, 2]", "config.json is not a JSON object"),
+        ("{not json", "config.json: Expecting property name"),
+        ('{"hidden_size": 64, "num_attention_heads": 4}', "num_hidden_layers must be a whole number"),
+        ('{"hidden_size": -1, "num_attention_heads": 4}', "hidden_size must be a whole number from 1"),
+        ('{"hidden_size": 1e300, "num_attention_heads": 4}', "hidden_size must be a whole number"),
+        ('{"hidden_size": 99999999999, "num_attention_heads": 4}', "(got 99999999999)"),
+        ('{"hidden_size": true, "num_attention_heads": 4}', "hidden_size must be a whole number"),
+        ('{"text_config": "x"}', "text_config is not a JSON object"),
+    ],
+)
+def test_a_hostile_config_json_is_refused_naming_the_field(tmp_path, content, message):
+    from sharded_trainer.config import ConfigError
+
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ValueError, match=r"config\.json") as e:
+        load_shape(str(tmp_path))
+    assert message in str(e.value)
+    cfg = auto_config(model={"huggingface": {"path": str(tmp_path)}, "preset": None})
+    with pytest.raises(ConfigError, match=r"model\.huggingface\.path"):
+        memplan.settle(cfg, 2, 80 * GIB)
+
+
+@pytest.mark.parametrize(
+    "content", ["", "[]", '{"fingerprint": 3}', '{"fingerprint": {"strategy": "zero3"}}', '{"fingerprint": {}}']
+)
+def test_a_checkpoint_that_does_not_name_its_strategy_names_none(tmp_path, content):
+    from sharded_trainer.checkpoint import saved_strategy
+
+    (tmp_path / "trainer.json").write_text(content)
+    assert saved_strategy(tmp_path) is None
+    assert saved_strategy(tmp_path / "missing") is None

@@ -26,8 +26,7 @@ checks the model against every other run in bench/results, within 10%.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from sharded_trainer.config import ConfigError, StrategyConfig, TrainerConfig
@@ -38,6 +37,7 @@ ACT_SCALE = 1.013  # measured bytes per token per block over the saved tensors c
 LOGIT_BYTES = 11.3  # per token and vocabulary entry: bf16 logits, their fp32 upcast and its gradient
 COMPILED = 0.574  # a compiled block's activations over an eager one's
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, a 1-byte scale per 64 values, an fp32 one per 256 scales
+MAX_SIZE = 1 << 24  # any one dimension of a model (layers, widths, vocabulary): far above any released model
 MARGIN = 0.9  # a setting fits when its peak is under this share of the GPU's memory
 FIT_RUNS = (
     ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4"),
@@ -61,13 +61,26 @@ class Shape:
     tied: bool
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> Shape:
+    def from_hf_config(cls, config: object) -> Shape:
+        """The shape a config.json describes; ValueError naming the field when it is missing or no sane size
+        (the file sits on a claim: anything may be in it)."""
+        if not isinstance(config, dict):
+            raise ValueError("config.json is not a JSON object")
         text = config.get("text_config") or config  # multimodal configs nest the language model's
-        hidden, heads = text["hidden_size"], text["num_attention_heads"]
+        if not isinstance(text, dict):
+            raise ValueError("config.json: text_config is not a JSON object")
+
+        def size(key: str, default: int | None = None) -> int:
+            value = text.get(key) or default
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+                raise ValueError(f"config.json: {key} must be a whole number from 1 to {MAX_SIZE} (got {value!r})")
+            return value
+
+        hidden, heads = size("hidden_size"), size("num_attention_heads")
         return cls(
-            hidden=hidden, layers=text["num_hidden_layers"], heads=heads,
-            kv_heads=text.get("num_key_value_heads") or heads, head_dim=text.get("head_dim") or hidden // heads,
-            ffn=text["intermediate_size"], vocab=text["vocab_size"],
+            hidden=hidden, layers=size("num_hidden_layers"), heads=heads,
+            kv_heads=size("num_key_value_heads", heads), head_dim=size("head_dim", max(hidden // heads, 1)),
+            ffn=size("intermediate_size"), vocab=size("vocab_size"),
             tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         )  # fmt: skip
 
@@ -103,7 +116,10 @@ def load_shape(model: str) -> Shape:
     """A preset's name, or a Hugging Face model directory (its config.json)."""
     config = Path(model) / "config.json"
     if config.is_file():
-        return Shape.from_hf_config(json.loads(config.read_text()))
+        try:
+            return Shape.from_hf_config(json.loads(config.read_text()))
+        except ValueError as e:  # json's own errors are ValueErrors too
+            raise ValueError(f"{config}: {e}") from None
     if model not in PRESETS:
         raise ValueError(f"--model {model}: neither a directory with config.json nor a preset ({', '.join(PRESETS)})")
     a = PRESETS[model]
@@ -141,15 +157,6 @@ class Setting:
             options = strategy.zero2.model_copy(update={"cpu_offload_optimizer": self.offload,
                                                         "activation_checkpointing": self.checkpointing})  # fmt: skip
         return strategy.model_copy(update={"type": self.strategy, self.strategy: options})
-
-    def overrides(self) -> dict:
-        """The trainer config's strategy section for this setting."""
-        if self.strategy == "fsdp":
-            options = {"reshardAfterForward": self.reshard, "cpuOffload": self.offload,
-                       "activationCheckpointing": self.checkpointing}  # fmt: skip
-        else:
-            options = {"cpuOffloadOptimizer": self.offload, "activationCheckpointing": self.checkpointing}
-        return {"type": self.strategy, self.strategy: options}
 
 
 # Fastest first, from the H200 runs (docs/benchmarks.md): FSDP2 a little ahead of ZeRO-2, checkpointing about
@@ -253,15 +260,6 @@ def table(job: Job, gpu_bytes: float) -> str:
     return "\n".join(lines)
 
 
-def largest_batch(job: Job, setting: Setting, gpu_bytes: float) -> int:
-    """The largest micro-batch with which `setting` fits (0: not even one sequence)."""
-    if estimate(replace(job, micro_batch=1), setting).peak > MARGIN * gpu_bytes:
-        return 0
-    one = estimate(replace(job, micro_batch=1), setting)
-    per = one.activations
-    return max(1, math.floor((MARGIN * gpu_bytes - (one.peak - per)) / per)) if per else job.micro_batch
-
-
 def job_of(cfg: TrainerConfig, world: int) -> Job:
     """The memory model's view of a trainer config run by `world` processes."""
     model = cfg.model.huggingface.path if cfg.model.huggingface else cfg.model.preset
@@ -269,8 +267,12 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
         raise ConfigError("strategy.type auto needs model.preset or model.huggingface")
     if cfg.model.huggingface and not (Path(model) / "config.json").is_file():
         raise ConfigError(f"model.huggingface.path {model}: no config.json there")
+    try:
+        shape = load_shape(model)
+    except ValueError as e:
+        raise ConfigError(f"model.huggingface.path: {e}") from None
     lora = cfg.lora
-    return Job(load_shape(model), world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
+    return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
                bool(lora and lora.quantize_base))  # fmt: skip
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import podcontainers
-from kubeletlogs import LogServer
+from kubeletserver import KubeletServer
 from podcontainers import Mount
 from sharded_operator.quantity import quantity_value
 
@@ -106,15 +106,15 @@ class NodeAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.python_bin = str(Path(sys.executable).parent)
-        # With the cluster's CA: serve the kubelet's log endpoint, so the API server can proxy `kubectl logs`.
+        # With the cluster's CA: serve the kubelet's log and port-forward endpoints, which the API server proxies.
         self.pki = pki
-        self.logs: LogServer | None = None
+        self.logs: KubeletServer | None = None
         self.containers = containers
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> NodeAgent:
         if self.pki is not None:
-            self.logs = LogServer(self.pki, self._locate_log).start()
+            self.logs = KubeletServer(self.pki, self._locate_log, self._locate_netns).start()
         self._setup_bridge()
         for name in self.nodes:
             self._register(name)
@@ -148,6 +148,11 @@ class NodeAgent:
         logs = (self.workdir / "pods").glob(f"{namespace}_{name}_*/container.log")
         done = sorted(logs, key=lambda p: p.stat().st_mtime)
         return (done[-1], False) if done else None
+
+    def _locate_netns(self, namespace: str, name: str) -> str | None:
+        """The network namespace of pod `namespace/name` while it runs on this agent (what port-forward enters)."""
+        runs = [r for r in list(self.runs.values()) if (r.namespace, r.name) == (namespace, name)]
+        return runs[-1].netns if runs and runs[-1].proc is not None and runs[-1].proc.poll() is None else None
 
     def _setup_bridge(self) -> None:
         if sh("ip", "link", "show", BRIDGE, check=False).returncode != 0:

@@ -9,6 +9,7 @@
     sharded suspend llama; sharded resume llama
     sharded export llama --step 5000   # one safetensors file on the job's claim, from a sharded checkpoint
     sharded plan -f job.yaml --gpu-memory 80Gi --model ./Llama-3-8B   # peak memory per GPU, each strategy
+    sharded port-forward llama 6006 --node 0   # localhost:6006 -> port 6006 of node 0's pod, via the API server
 
 Installed as `kubectl-stj` too, so kubectl finds it as a plugin (`kubectl stj list`); the kubeconfig is
 the caller's (KUBECONFIG or ~/.kube/config, or --kubeconfig).
@@ -20,7 +21,10 @@ import argparse
 import datetime as dt
 import json
 import re
+import select
+import socket
 import sys
+import threading
 from typing import Any
 
 import yaml
@@ -152,8 +156,65 @@ def plan(a: argparse.Namespace) -> int:
     lora = trainer.lora
     job = memplan.Job(shape, spec.nodes * procs, trainer.micro_batch_size, trainer.seq_len,
                       lora.r if lora else None, bool(lora and lora.quantize_base))  # fmt: skip
-    print(memplan.table(job, memplan.parse_memory(a.gpu_memory)))
+    try:
+        gpu = memplan.parse_memory(a.gpu_memory)
+    except ValueError as e:
+        raise JobError(f"--gpu-memory {e}") from None
+    print(memplan.table(job, gpu))
     return 0
+
+
+def forward_ports(text: str) -> tuple[int, int]:
+    """(local, remote) from `[LOCAL:]REMOTE`: the local port defaults to the remote one, 0 takes any free port."""
+    local, _, remote = text.rpartition(":")
+    ports = [p for p in (local or remote, remote) if len(p) <= 5 and p.isascii() and p.isdigit() and int(p) < 65536]
+    if len(ports) != 2 or int(remote) == 0:
+        raise JobError(f"{text[:40]}: give [LOCAL:]REMOTE ports, e.g. 8888 or 18888:8888 (LOCAL 0: any free port)")
+    return int(ports[0]), int(ports[1])
+
+
+def port_forward(jobs: Client, a: argparse.Namespace) -> int:
+    """Listen on the local port and carry each connection to the pod's port through the API server, as
+    `kubectl port-forward` does; until interrupted."""
+    local_port, remote_port = forward_ports(a.ports)
+    pod = jobs.pod(a.name, a.node)
+    jobs.port_forward(pod, remote_port).close()  # fail now, not at the first connection, if it cannot work
+    server = socket.create_server((a.address, local_port))
+    print(f"Forwarding from {a.address}:{server.getsockname()[1]} -> {remote_port} (pod {pod})", flush=True)
+
+    def carry(conn: socket.socket) -> None:
+        with conn:
+            try:
+                forward = jobs.port_forward(pod, remote_port)
+            except JobError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                return
+            upstream = forward.socket(remote_port)  # a wrapper: no context manager
+            try:
+                pipe(conn, upstream)
+            finally:
+                upstream.close()
+            if forward.error(remote_port):
+                print(f"error: {pod}: {forward.error(remote_port)}", file=sys.stderr, flush=True)
+
+    with server:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=carry, args=(conn,), daemon=True).start()
+
+
+def pipe(a: socket.socket, b: socket.socket) -> None:
+    """Copy both ways until either side closes or resets (the pod's side resets when the pod refused)."""
+    try:
+        while True:
+            ready, _, _ = select.select([a, b], [], [])
+            for src in ready:
+                data = src.recv(1 << 16)
+                if not data:
+                    return
+                (b if src is a else a).sendall(data)
+    except (ConnectionResetError, BrokenPipeError):
+        return
 
 
 def run(a: argparse.Namespace) -> int:
@@ -188,6 +249,8 @@ def run(a: argparse.Namespace) -> int:
     elif a.command == "logs":
         for node, line in jobs.logs(a.name, follow=a.follow, tail=a.tail):
             print(f"[node-{node}] {line}", flush=True)
+    elif a.command == "port-forward":
+        return port_forward(jobs, a)
     return 0
 
 
@@ -239,6 +302,11 @@ def parser() -> argparse.ArgumentParser:
     lg.add_argument("name")
     lg.add_argument("-f", "--follow", action="store_true")
     lg.add_argument("--tail", type=int, help="lines from the end of each pod's log")
+    pf = sub.add_parser("port-forward", help="a local port to a port of one of the job's pods, through the API server")
+    pf.add_argument("name")
+    pf.add_argument("ports", help="[LOCAL:]REMOTE, e.g. 8888 or 18888:8888 (LOCAL 0: any free port)")
+    pf.add_argument("--node", type=int, default=0, help="whose pod (default 0)")
+    pf.add_argument("--address", default="127.0.0.1", help="local address to listen on (default 127.0.0.1)")
     return p
 
 

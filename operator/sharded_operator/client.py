@@ -62,6 +62,11 @@ class Job:
         return next((c.status for c in self.obj.status.conditions if c.type == type_), None)
 
 
+def _of_attempt(pods: list[dict[str, Any]], attempt: int) -> list[dict[str, Any]]:
+    """The job's pods of one attempt (a restarted gang's old pods may still be terminating)."""
+    return [p for p in pods if p["metadata"]["labels"].get(LABEL_ATTEMPT) == str(attempt)]
+
+
 def _api_error(e: ApiException, what: str) -> JobError:
     """The API server's own message (it names the field for a schema or CEL rejection)."""
     try:
@@ -149,7 +154,7 @@ class Client:
         if step is None:
             raise JobError(f"{name} has no checkpoint yet")
         pods = self.kube.list_job_pods(self.namespace, name)
-        current = [p for p in pods if p["metadata"]["labels"].get(LABEL_ATTEMPT) == str(job.obj.status.attempt)]
+        current = _of_attempt(pods, job.obj.status.attempt)
         if not (current or pods):
             raise JobError(f"no pod of {name} is left to take its image, config and claim from (cleanPodPolicy)")
         try:
@@ -171,13 +176,30 @@ class Client:
         self.kube.delete_pod(self.namespace, pod_name, None)
         return step, location(pod, step)
 
+    def pod(self, name: str, node: int = 0) -> str:
+        """The name of node `node`'s pod of the job's current attempt, once it runs."""
+        attempt = self.get(name).obj.status.attempt
+        for p in _of_attempt(self.kube.list_job_pods(self.namespace, name), attempt):
+            if p["metadata"]["labels"].get(LABEL_INDEX) == str(node):
+                if p["status"].get("phase") != "Running":
+                    raise JobError(f"{name}: node {node}'s pod {p['metadata']['name']} is {p['status'].get('phase')}")
+                return p["metadata"]["name"]
+        raise JobError(f"{name}: no pod for node {node} in attempt {attempt}")
+
+    def port_forward(self, pod: str, port: int) -> Any:
+        """A connection to `port` on the pod's loopback through the API server (see Kube.port_forward)."""
+        try:
+            return self.kube.port_forward(self.namespace, pod, port)
+        except ApiException as e:
+            raise _api_error(e, pod) from None
+
     def logs(self, name: str, *, follow: bool = False, tail: int | None = None) -> Iterator[tuple[int, str]]:
         """(node rank, line) from every pod of the current attempt, merged as they arrive. Each pod's log
         holds its torchrun agent and the ranks it runs (prefixed by torchrun where the image sets --tee)."""
-        attempt = str(self.get(name).obj.status.attempt)
+        attempt = self.get(name).obj.status.attempt
         pods = sorted(
-            (p for p in self.kube.list_job_pods(self.namespace, name)
-             if p["metadata"]["labels"].get(LABEL_ATTEMPT) == attempt and p["status"].get("phase") != "Pending"),
+            (p for p in _of_attempt(self.kube.list_job_pods(self.namespace, name), attempt)
+             if p["status"].get("phase") != "Pending"),
             key=lambda p: int(p["metadata"]["labels"][LABEL_INDEX]),
         )  # fmt: skip
         if not pods:

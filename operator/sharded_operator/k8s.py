@@ -135,6 +135,14 @@ class Kube:
         finally:
             resp.release_conn()
 
+    def port_forward(self, namespace: str, pod: str, port: int) -> Any:
+        """One connection to `port` on the pod's loopback, through the API server's pods/portforward (the
+        node's kubelet connects inside the pod's network namespace): `.socket(port)` carries the bytes,
+        `.error(port)` says why the pod's side refused or ended."""
+        from kubernetes.stream import portforward
+
+        return portforward(self.core.connect_get_namespaced_pod_portforward, pod, namespace, ports=str(port))
+
     @retrying
     def host_ports_in_use(self) -> list[int | None]:
         """`status.hostPort` of every job in the cluster that has not finished."""

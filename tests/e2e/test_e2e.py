@@ -147,7 +147,9 @@ def test_an_elastic_job_trains_on_two_of_three_nodes_grows_back_and_is_resized_b
     The global batch stays 48 throughout (accumulation 2 on three nodes, 3 on two); one attempt, no restart."""
     name = "e2e-elastic"
     # No globalBatchSize: elastic.keepGlobalBatch (the default) keeps the batch of maxNodes, 3 x 2 x 4 x 2.
-    trainer = {"model": {"preset": "tiny"}, "steps": 300, "microBatchSize": 4, "gradAccumSteps": 2,
+    # 500 steps: on a fast machine the job regrew to three nodes at step 222 and finished 300 in 19 s, before
+    # the resize to two could take a node away.
+    trainer = {"model": {"preset": "tiny"}, "steps": 500, "microBatchSize": 4, "gradAccumSteps": 2,
                "seqLen": 64, "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 2}  # fmt: skip
     body = job(name, steps=0, nodes=3, elastic={"minNodes": 2, "maxNodes": 3, "maxRestarts": 5},
                resources={"cpu": 6, "memory": "2Gi"}, trainer=trainer)  # fmt: skip
@@ -177,7 +179,7 @@ def test_an_elastic_job_trains_on_two_of_three_nodes_grows_back_and_is_resized_b
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=300, what="finished")
     assert status["phase"] == "Succeeded", jobs.explain(name)
     assert status["attempt"] == 1 and status["restarts"] == 0 and status["podReplacements"] == 1
-    assert status["desiredNodes"] == 2 and status["progress"]["step"] == 300
+    assert status["desiredNodes"] == 2 and status["progress"]["step"] == 500
     reasons = jobs.event_reasons(name)
     assert {"ReplacingPod", "RecoveredInPlace", "Resizing", "ScalingDown"} <= set(reasons), reasons
     assert "Restarting" not in reasons
@@ -364,6 +366,67 @@ def test_the_cli_submits_follows_every_nodes_log_and_kubectl_reads_logs_through_
     assert ours[("sharded_training_checkpoint_step", None)] == 20 and ours[("sharded_training_loss", None)] > 0
     assert 0 <= ours[("sharded_training_checkpoint_age_seconds", None)] < 300
     assert ours[("sharded_training_phase", "Succeeded")] == 1 and ours[("sharded_training_phase", "Running")] == 0
+
+
+def test_port_forward_reaches_a_server_on_a_pods_loopback_through_the_api_server(jobs, stack, tmp_path):
+    """`sharded port-forward` as a user runs it, to a server node 0's pod binds to its loopback only: the API
+    server's pods/portforward, served by the node's kubelet (the node agent) inside the pod's network
+    namespace, for several connections at once and a file larger than any one frame. A port nothing listens
+    on ends that connection with the pod's error, and the forward serves the next one."""
+    import hashlib
+    import re
+    import socket
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    name, port = "e2e-forward", 18765
+    www = tmp_path / "www"
+    www.mkdir()
+    (www / "blob").write_bytes(os.urandom(3 << 20))
+    jobs.create(job(name, nodes=1, procsPerNode=1,
+                    command=["-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(www)]))
+    jobs.wait(name, lambda s: s.get("phase") == "Running", what="Running")
+    path = f"{Path(sys.executable).parent}:{stack.cluster.bin_dir}:{os.environ['PATH']}"
+    env = {**os.environ, "KUBECONFIG": str(stack.cluster.kubeconfig), "PATH": path}
+
+    def forward(remote: int) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(["sharded", "port-forward", name, f"0:{remote}"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        first = proc.stdout.readline()
+        m = re.match(rf"Forwarding from 127\.0\.0\.1:(\d+) -> {remote} \(pod {name}-0\)", first)
+        assert m, (first, proc.poll(), proc.stderr.read() if proc.poll() is not None else "")
+        return proc, f"http://127.0.0.1:{m[1]}"
+
+    def get(url: str) -> bytes:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.read()
+
+    proc, url = forward(port)
+    try:
+        assert b"blob" in wait_for(lambda: get(url + "/"), timeout=60, what="the pod's server, forwarded")
+        expected = hashlib.sha256((www / "blob").read_bytes()).hexdigest()
+        with ThreadPoolExecutor(4) as pool:
+            blobs = list(pool.map(lambda _: get(url + "/blob"), range(6)))
+        assert {hashlib.sha256(b).hexdigest() for b in blobs} == {expected}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+    # The server listens on the pod's loopback only: not at the pod's address.
+    pod_ip = stack.cluster.api("GET", f"/api/v1/namespaces/{NS}/pods/{name}-0")["status"]["podIP"]
+    with pytest.raises(OSError):
+        socket.create_connection((pod_ip, port), timeout=5).close()
+
+    proc, url = forward(port + 1)  # nothing listens there
+    try:
+        for _ in range(2):  # each connection is refused by the pod; the forward stays up for the next
+            with pytest.raises(OSError):  # closed with no HTTP response
+                get(url + "/")
+            assert proc.poll() is None
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert f"error forwarding port {port + 1} to pod" in err and "refused" in err, err
 
 
 def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(jobs, stack):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import auto_check
 import pytest
 from memplan_check import held_out_runs
 
@@ -16,6 +17,7 @@ from sharded_trainer import memplan
 from sharded_trainer.memplan import GIB, Job, Setting, estimate, load_shape
 
 ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
 
 
 def test_the_runs_held_out_cover_every_option_the_model_has():
@@ -34,6 +36,44 @@ def test_the_runs_held_out_cover_every_option_the_model_has():
 def test_each_prediction_is_within_ten_percent_of_the_measured_peak(name, arm, job, setting, measured):
     predicted = estimate(job, setting).peak / GIB
     assert predicted == pytest.approx(measured, rel=0.10), (setting.label, predicted, measured)
+
+
+def test_on_the_gpu_auto_never_ran_out_of_memory_and_the_rule_still_chooses_what_ran():
+    """bench/auto_check.py on one H200 held to each case's limit: the setting the trainer chose ran without
+    running out of memory, its prediction within 10% of the peak it reached, and the current rule picks it
+    again (a change to the rule or the model must be measured anew); where nothing fits, the trainer stopped
+    before loading the model with the error that says what to change."""
+    rows = auto_check.records(RESULTS / name for name in auto_check.CURRENT)
+    assert [r["name"] for r in rows] == [c.name for c in auto_check.CASES]
+    assert len({auto_check.chosen_label(r["why"]) for r in rows}) >= 6  # the choices span the settings
+    for r in rows:
+        label = auto_check.chosen_label(r["why"])
+        assert not r["oom"] and label == auto_check.choice_now(r), r
+        if label is None:
+            assert "no setting fits" in r["error"][0] and r["steps"] == 0, r
+            continue
+        assert r["rc"] == 0 and r["steps"] == 6, r
+        predicted = estimate(auto_check.job_of(r), next(s for s in memplan.SETTINGS if s.label == label)).peak
+        assert predicted / GIB == pytest.approx(r["peak_alloc_gib"], rel=0.10), r
+
+
+def test_zero2_counts_the_bf16_base_it_loads_before_quantizing_it_to_nf4():
+    """The ZeRO-2 QLoRA load peak on an H200 (bench/qlora.sh's LOAD line): the whole bf16 base and its NF4
+    form at once. Auto chose ZeRO-2 for QLoRA on a 16 GiB limit before this was counted, and ran out of memory."""
+    line = next(ln for ln in (RESULTS / "qlora-8b-zero2-h200x1.txt").read_text().splitlines()
+                if ln.startswith("zero2 qlora LOAD "))  # fmt: skip
+    measured = json.loads(line.split(" LOAD ", 1)[1])["gpu_allocated_gib"]
+    job = Job(load_shape("llama-8b"), 1, 2, 2048, 16, True)
+    assert estimate(job, Setting("zero2", checkpointing=True)).load / GIB == pytest.approx(measured, rel=0.05)
+    assert estimate(job, Setting("fsdp")).load == 0  # FSDP2 quantizes each weight as it is read
+
+
+def test_an_nf4_base_is_never_offloaded_by_fsdp2():
+    job = Job(load_shape("llama-8b"), 1, 2, 2048, 16, True)
+    estimates, chosen = memplan.plan(job, 12 * GIB)
+    offload = next(e for e in estimates if e.setting == Setting("fsdp", checkpointing=True, offload=True))
+    assert offload.peak < memplan.usable(12 * GIB) and chosen is None
+    assert "not with NF4" in memplan.table(job, 12 * GIB)
 
 
 def test_the_parameter_count_is_the_models():
@@ -87,6 +127,11 @@ def test_the_plan_command_prints_the_table():
 def test_gpu_memory_is_read_as_kubernetes_quantities():
     assert memplan.parse_memory("80Gi") == 80 * GIB and memplan.parse_memory("141G") == 141e9
     assert memplan.parse_memory("80GiB") == 80 * GIB
+    for hostile in ("nan", "inf", "-80Gi", "0", "1e400Gi", "80 parsecs", "", "Gi"):
+        with pytest.raises(ValueError, match="is not a memory size: write one such as 80Gi"):
+            memplan.parse_memory(hostile)
+    out = sharded("plan", "-f", "examples/fsdp-8gpu-infiniband.yaml", "--gpu-memory", "nanGi")
+    assert out.returncode == 1 and "error: --gpu-memory 'nanGi' is not a memory size" in out.stderr, out.stderr
 
 
 def sharded(*args: str) -> subprocess.CompletedProcess:
@@ -149,7 +194,8 @@ def test_auto_keeps_the_strategy_of_the_checkpoint_and_zero2_for_fp16():
 def test_auto_refuses_before_training_when_nothing_fits():
     from sharded_trainer.config import ConfigError
 
-    with pytest.raises(ConfigError, match="no setting fits in 90% of the GPU's 24 GiB at microBatchSize 64"):
+    fits = r"no setting fits in 20.6 GiB \(90% of the GPU's 24 GiB less 1 GiB\) at microBatchSize 64"
+    with pytest.raises(ConfigError, match=fits):
         memplan.settle(auto_config(microBatchSize=64), 1, 24 * GIB)
 
 
@@ -187,3 +233,33 @@ def test_a_checkpoint_that_does_not_name_its_strategy_names_none(tmp_path, conte
     (tmp_path / "trainer.json").write_text(content)
     assert saved_strategy(tmp_path) is None
     assert saved_strategy(tmp_path / "missing") is None
+
+
+def test_exporting_an_auto_run_whose_checkpoint_does_not_name_its_strategy_exits_2_saying_so(tmp_path, capsys):
+    from sharded_trainer.__main__ import main
+    from sharded_trainer.checkpoint import step_dir
+    from sharded_trainer.contract import MARKER, TRAINER_STATE
+
+    step = step_dir(tmp_path / "ckpt", 10)
+    step.mkdir(parents=True)
+    (step / MARKER).write_text("")
+    (step / TRAINER_STATE).write_text('{"step": 10}')  # written before checkpoints carried a fingerprint
+    (tmp_path / "job.yaml").write_text("model: {preset: tiny}\nstrategy: {type: auto}\n")
+    args = ["export", "--config", str(tmp_path / "job.yaml"), "--checkpoint", str(step), "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    assert "does not say which strategy wrote it; set strategy.type" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-40Gi", "nan", "inf", "1e400Gi", "12 parsecs"])
+def test_a_bad_gpu_memory_limit_fails_before_training_naming_the_variable(monkeypatch, value):
+    import torch
+
+    from sharded_trainer.config import ConfigError
+    from sharded_trainer.process_group import DistEnv
+    from sharded_trainer.train import gpu_memory
+
+    monkeypatch.setenv("SHARDED_GPU_MEMORY_LIMIT", value)
+    with pytest.raises(ConfigError, match=r"SHARDED_GPU_MEMORY_LIMIT=.*not a memory size; write one such as 40Gi"):
+        gpu_memory(DistEnv(0, 0, 1, "gloo", torch.device("cpu")))
+    monkeypatch.setenv("SHARDED_GPU_MEMORY_LIMIT", "40Gi")  # valid: without a GPU there is nothing to hold to it
+    assert gpu_memory(DistEnv(0, 0, 1, "gloo", torch.device("cpu"))) is None

@@ -176,6 +176,20 @@ def test_record_sources_need_a_path_and_a_tokenizer():
         TrainerConfig.model_validate({"lora": {"r": 4}})
 
 
+def test_blocks_wrapped_for_activation_checkpointing_are_still_found_as_the_decoder_layers(tmp_path):
+    """ZeRO-2 wraps each block for activation checkpointing before QLoRA quantizes the base, which looks the
+    blocks up again (this failed on the GPU when strategy auto chose zero2+activationCheckpointing for QLoRA)."""
+    from sharded_trainer.network import build_network
+    from sharded_trainer.parallel import decoder_layers, wrap_blocks
+
+    directory = write_model(tmp_path / "llama", "llama")
+    net = build_network(TrainerConfig.model_validate({"model": {"huggingface": {"path": str(directory)}}}))
+    layers = decoder_layers(net.module)
+    wrap_blocks(layers, activation_checkpointing=True, compile=False)
+    assert {type(b).__name__ for b in layers.children()} == {"CheckpointWrapper"}
+    assert decoder_layers(net.module) is layers
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_each_architecture_loads_as_transformers_loads_it(tmp_path, arch):
     """Built on the meta device and filled from the safetensors files row range by row range (as a rank of

@@ -86,7 +86,11 @@ def _main(argv: list[str]) -> int:
     if export:
         from sharded_trainer.export import export_checkpoint
 
-        out = export_checkpoint(cfg, args.checkpoint, args.out, merge=args.merge)
+        try:
+            out = export_checkpoint(cfg, args.checkpoint, args.out, merge=args.merge)
+        except ConfigError as e:  # strategy auto, and the checkpoint does not say which strategy wrote it
+            print(f"error: {e}", file=sys.stderr)
+            return ExitCode.INVALID_CONFIG
         print(f"wrote {out}")
         return ExitCode.OK
 

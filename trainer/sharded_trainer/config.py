@@ -328,6 +328,16 @@ class TrainerConfig(TrainingSpec):
                   {"lora": {"r": 8}, "strategy": {"fsdp": {"shard": "hybrid"}}, **_HF}),
             bad=({"lora": {"quantizeBase": "nf4"}, "strategy": {"fsdp": {"shard": "hybrid"}}, **_HF},),
         ),
+        Rule(
+            "strategy.fsdp.cpuOffload", "FSDP2 cannot offload an NF4 base to host memory: set cpuOffload false (the "
+            "NF4 base is a quarter of the bf16 one), use strategy.type zero2 with cpuOffloadOptimizer, or remove "
+            "lora.quantizeBase",
+            Has("lora.quantizeBase").implies(At("strategy.type").eq("zero2") | At("strategy.fsdp.cpuOffload").ne(True)),
+            good=({"lora": {"quantizeBase": "nf4"}, "strategy": {"zero2": {"cpuOffloadOptimizer": True}}, **_HF},
+                  {"lora": {"quantizeBase": "nf4"}, "strategy": {"type": "zero2", "fsdp": {"cpuOffload": True}}, **_HF},
+                  {"lora": {"r": 8}, "strategy": {"fsdp": {"cpuOffload": True}}, **_HF}),
+            bad=({"lora": {"quantizeBase": "nf4"}, "strategy": {"fsdp": {"cpuOffload": True}}, **_HF},),
+        ),
         *TrainingSpec.rules,
     )  # fmt: skip
 

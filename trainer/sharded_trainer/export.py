@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from sharded_trainer.checkpoint import resolve_step_dir, saved_strategy
-from sharded_trainer.config import TrainerConfig
+from sharded_trainer.config import ConfigError, TrainerConfig
 from sharded_trainer.hf_export import export_hf
 from sharded_trainer.model import build_model
 from sharded_trainer.strategies import strategy_class
@@ -22,7 +22,7 @@ def export_checkpoint(cfg: TrainerConfig, checkpoint: str, out: str, *, merge: b
     if cfg.strategy.type == "auto":  # the strategy the run settled on is the one its checkpoint names
         kind = saved_strategy(resolve_step_dir(checkpoint))
         if kind is None:
-            raise ValueError(f"{checkpoint}: the checkpoint does not say which strategy wrote it; set strategy.type")
+            raise ConfigError(f"{checkpoint}: the checkpoint does not say which strategy wrote it; set strategy.type")
         cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"type": kind})})
     if cfg.model.huggingface is not None:
         return export_hf(cfg, checkpoint, out, merge=merge)

@@ -104,7 +104,8 @@ class FsdpStrategy:
             net.module, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision], ignored=ignored
         )
         if net.source is not None:  # built on the meta device: each rank reads only the rows it keeps
-            materialize(self.model, env.device, net.source)
+            # FSDP2 keeps offloaded shards in host memory and moves each to the GPU as it is used.
+            materialize(self.model, torch.device("cpu") if cfg.strategy.fsdp.cpu_offload else env.device, net.source)
         self.loss = loss_function(cfg.strategy.fsdp.compile)
         self.optimizer = make_optimizer(trainable(self.model), cfg, env.device)
         self.scheduler = make_scheduler(self.optimizer, cfg)

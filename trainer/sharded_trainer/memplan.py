@@ -38,7 +38,11 @@ LOGIT_BYTES = 11.3  # per token and vocabulary entry: bf16 logits, their fp32 up
 COMPILED = 0.574  # a compiled block's activations over an eager one's
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, a 1-byte scale per 64 values, an fp32 one per 256 scales
 MAX_SIZE = 1 << 24  # any one dimension of a model (layers, widths, vocabulary): far above any released model
-MARGIN = 0.9  # a setting fits when its peak is under this share of the GPU's memory
+MARGIN = 0.9  # a setting fits when its peak is under this share of the GPU's memory, less HEADROOM
+# Memory PyTorch's allocator does not count (the CUDA context, NCCL's buffers) and blocks it cannot reuse when
+# held to its limit: QLoRA of the 8B shape predicted at 14.4 GiB (measured 14.7) ran out of memory once in two
+# on a 16 GiB limit, where 90% alone had let it fit (bench/results/auto-check.md).
+HEADROOM = 1.0 * 2**30
 FIT_RUNS = (
     ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4"),
     ("h200x2-eager-run10.txt", "trainer-fsdp2-b8"),
@@ -187,6 +191,7 @@ class Estimate:
     state: float  # parameters, gradients and optimizer state on the GPU at the step, bytes
     activations: float
     transient: float
+    load: float  # the peak while the model is loaded, where it exceeds what the load leaves
     peak: float
 
 
@@ -219,25 +224,52 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         transient = 2 * s.embedding + block_bf16 + (0 if setting.reshard else s.layers * block_bf16)
     elif job.nf4:
         transient = block_bf16
-    peak = max(kept + act + transient, kept + grads + transient)
-    return Estimate(setting, kept + grads, act, transient, peak)
+    # ZeRO-2 with an NF4 base: DeepSpeed casts the whole loaded base to bf16 on every process, then each weight
+    # is quantized in place; the bf16 weights are freed only once all of them are (measured: bench/hf_load.py).
+    load = 0.0
+    if job.nf4 and not fsdp:
+        load = s.params * 2 + s.layers * s.block_linear_params * NF4_BYTES + 6 * trained
+    peak = max(kept + act + transient, kept + grads + transient, load)
+    return Estimate(setting, kept + grads, act, transient, load, peak)
 
 
-def plan(job: Job, gpu_bytes: float) -> tuple[list[Estimate], Estimate | None]:
-    """Every setting's estimate, and the fastest that fits with the margin (None: none fits)."""
-    estimates = [estimate(job, st) for st in SETTINGS]
-    fits = [e for e in estimates if e.peak <= MARGIN * gpu_bytes]
+def allowed(job: Job, setting: Setting) -> bool:
+    """FSDP2 cannot offload an NF4 base to host memory (config rule on strategy.fsdp.cpuOffload)."""
+    return not (job.nf4 and setting.strategy == "fsdp" and setting.offload)
+
+
+def plan(
+    job: Job, gpu_bytes: float, types: frozenset[str] = frozenset({"fsdp", "zero2"})
+) -> tuple[list[Estimate], Estimate | None]:
+    """The estimate of every setting of `types`, and the fastest allowed one that fits (None: none fits)."""
+    estimates = [estimate(job, st) for st in SETTINGS if st.strategy in types]
+    fits = [e for e in estimates if e.peak <= usable(gpu_bytes) and allowed(job, e.setting)]
     return estimates, (fits[0] if fits else None)
 
 
+def strategy_types(precision: str, kept: str | None = None) -> frozenset[str]:
+    """The strategies auto may choose: that of a checkpoint to be resumed (FSDP2 and ZeRO-2 checkpoints are
+    not interchangeable), and only ZeRO-2 under fp16 (FSDP2 has no loss scaler)."""
+    return frozenset({kept} if kept else {"zero2"} if precision == "fp16" else {"fsdp", "zero2"})
+
+
+def usable(gpu_bytes: float) -> float:
+    """What a setting's predicted peak may reach on a GPU of `gpu_bytes`."""
+    return MARGIN * gpu_bytes - HEADROOM
+
+
 def parse_memory(text: str) -> float:
-    """`80Gi`, `141G`, `80GiB` or bytes."""
+    """`80Gi`, `141G`, `80GiB` or bytes; ValueError for anything else, or under 1 MiB, or not finite."""
     units = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
     t = text.strip().lower().removesuffix("b")
-    for unit in sorted(units, key=len, reverse=True):
-        if t.endswith(unit):
-            return float(t[: -len(unit)]) * units[unit]
-    return float(t)
+    unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), "")
+    try:
+        size = float(t[: len(t) - len(unit)]) * units.get(unit, 1)
+    except ValueError:
+        size = 0.0
+    if not 2**20 <= size < float("inf"):  # NaN fails too
+        raise ValueError(f"{text[:40]!r} is not a memory size: write one such as 80Gi")
+    return size
 
 
 def table(job: Job, gpu_bytes: float) -> str:
@@ -247,12 +279,15 @@ def table(job: Job, gpu_bytes: float) -> str:
         f"model: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, vocabulary {s.vocab})"
         + (f", LoRA r{job.lora_r}" + (" on an NF4 base" if job.nf4 else "") if job.lora_r else ", full fine-tuning"),
         f"{job.world} processes, micro-batch {job.micro_batch} x seq {job.seq}"
-        + (", compiled" if job.compile else "") + f"; GPU {gpu_bytes / GIB:.0f} GiB, fits under {MARGIN:.0%}",
+        + (", compiled" if job.compile else "")
+        + f"; GPU {gpu_bytes / GIB:.0f} GiB, fits under {usable(gpu_bytes) / GIB:.1f} GiB "
+        f"({MARGIN:.0%} less {HEADROOM / GIB:g} GiB)",
         "",
         f"{'setting':<50} {'state':>8} {'activ.':>8} {'transient':>9} {'peak GiB':>9}  fits",
     ]
     for e in estimates:
-        mark = ("yes" if e.peak <= MARGIN * gpu_bytes else "no") + ("  <- chosen" if e is chosen else "")
+        mark = ("yes" if e.peak <= usable(gpu_bytes) else "no") if allowed(job, e.setting) else "not with NF4"
+        mark += "  <- chosen" if e is chosen else ""
         lines.append(f"{e.setting.label:<50} {e.state / GIB:8.1f} {e.activations / GIB:8.1f} "
                      f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f}  {mark}")  # fmt: skip
     if chosen is None:
@@ -279,28 +314,28 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
 def settle(
     cfg: TrainerConfig, world: int, gpu_bytes: float | None, kept: str | None = None
 ) -> tuple[TrainerConfig, str]:
-    """strategy.type auto made concrete: the fastest setting that fits in MARGIN of `gpu_bytes` (any, the
+    """strategy.type auto made concrete: the fastest setting that fits in usable(gpu_bytes) (any, the
     fastest, without a GPU), among those of strategy `kept` when a checkpoint of it is to be resumed (FSDP2
     and ZeRO-2 checkpoints are not interchangeable) and of ZeRO-2 under fp16; the config and why."""
-    types = {kept} if kept else ({"zero2"} if cfg.precision == "fp16" else {"fsdp", "zero2"})
-    candidates = [st for st in SETTINGS if st.strategy in types]
+    types = strategy_types(cfg.precision, kept)
     keeping = f"; the newest checkpoint is {kept}'s" if kept else ""
     if gpu_bytes is None:
-        chosen = candidates[0]
+        chosen = next(st for st in SETTINGS if st.strategy in types)
         return cfg.model_copy(update={"strategy": chosen.apply(cfg.strategy)}), (
             f"auto: {chosen.label} (no GPU: no memory bound{keeping})")
     job = job_of(cfg, world)
-    estimates = [estimate(job, st) for st in candidates]
-    fits = [e for e in estimates if e.peak <= MARGIN * gpu_bytes]
-    if not fits:
+    estimates, chosen = plan(job, gpu_bytes, types)
+    estimates = [e for e in estimates if allowed(job, e.setting)]
+    if chosen is None:
         least = min(estimates, key=lambda e: e.peak)
+        more = ", or use LoRA" if job.lora_r is None else "" if job.nf4 else ", or an NF4 base (lora.quantizeBase)"
         raise ConfigError(
-            f"strategy.type auto: no setting fits in {MARGIN:.0%} of the GPU's {gpu_bytes / GIB:.0f} GiB at "
+            f"strategy.type auto: no setting fits in {usable(gpu_bytes) / GIB:.1f} GiB ({MARGIN:.0%} of the GPU's "
+            f"{gpu_bytes / GIB:.0f} GiB less {HEADROOM / GIB:g} GiB) at "
             f"microBatchSize {cfg.micro_batch_size} and seqLen {cfg.seq_len}{keeping} (the least, "
-            f"{least.setting.label}, needs {least.peak / GIB:.1f} GiB): lower microBatchSize or seqLen, add nodes, "
-            "or use LoRA"
+            f"{least.setting.label}, needs {least.peak / GIB:.1f} GiB): lower microBatchSize or seqLen, or add nodes"
+            f"{more}"
         )  # fmt: skip
-    chosen = fits[0]
     faster = estimates[: estimates.index(chosen)]
     skipped = "".join(f", {e.setting.label} would need {e.peak / GIB:.1f}" for e in faster)
     return cfg.model_copy(update={"strategy": chosen.setting.apply(cfg.strategy)}), (

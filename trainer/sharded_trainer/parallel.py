@@ -101,7 +101,8 @@ def decoder_layers(model: nn.Module) -> nn.Module:
     best: nn.Module | None = None
     for m in model.modules():
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m):
-            classes = {type(c).__name__ for c in m.children()}
+            # A block wrapped for activation checkpointing (ZeRO-2 wraps before QLoRA quantizes) is still that block.
+            classes = {type(getattr(c, "_checkpoint_wrapped_module", c)).__name__ for c in m.children()}
             if len(classes) == 1 and (not unsplit or classes & unsplit) and (best is None or len(m) > len(best)):
                 best = m
     if best is None:

@@ -15,7 +15,14 @@ import torch.distributed as dist
 
 from sharded_trainer import memplan, records
 from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
-from sharded_trainer.config import RECORD_SOURCES, TrainerConfig, accumulation_for, describe_batch, with_kept_batch
+from sharded_trainer.config import (
+    RECORD_SOURCES,
+    ConfigError,
+    TrainerConfig,
+    accumulation_for,
+    describe_batch,
+    with_kept_batch,
+)
 from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
 from sharded_trainer.data import IGNORE, ShardedLoader, TokenSource, collate
 from sharded_trainer.metrics import Meter, emit
@@ -135,10 +142,33 @@ def evaluate(strategy, source, cfg: TrainerConfig, env: DistEnv) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def settle_auto(cfg: TrainerConfig, env: DistEnv) -> tuple[TrainerConfig, str]:
+GPU_MEMORY_LIMIT = "SHARDED_GPU_MEMORY_LIMIT"
+
+
+def gpu_memory(env: DistEnv) -> float | None:
+    """Bytes of GPU memory this process may use: the device's, or less under SHARDED_GPU_MEMORY_LIMIT (`40Gi`).
+    The limit is enforced by the allocator (an allocation past it fails as out of memory, as on a smaller GPU)
+    and is what strategy auto plans for: for a GPU shared with other work, or to try a smaller GPU's choice."""
+    text, limit = os.environ.get(GPU_MEMORY_LIMIT, "").strip(), None
+    if text:  # checked with or without a GPU, so a typo fails in CI as it would on the cluster
+        try:
+            limit = memplan.parse_memory(text)
+        except ValueError:
+            raise ConfigError(f"{GPU_MEMORY_LIMIT}={text[:40]!r}: not a memory size; write one such as 40Gi, "
+                              "or unset it") from None  # fmt: skip
+    if env.device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    if limit is None:
+        return total
+    limit = min(limit, total)
+    torch.cuda.set_per_process_memory_fraction(limit / total, env.device)
+    return limit
+
+
+def settle_auto(cfg: TrainerConfig, env: DistEnv, gpu: float | None) -> tuple[TrainerConfig, str]:
     """strategy.type auto: every rank settles on the same setting, from the job's smallest GPU and the strategy
     of the newest checkpoint (rank 0 lists the claim, as the resume does)."""
-    gpu = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir and cfg.checkpoint.resume and env.is_main else None
     newest = newest_committed(root) if root else None
     mine = (gpu, saved_strategy(newest) if newest else None)
@@ -157,9 +187,9 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     cfg = with_kept_batch(cfg, env.local_world)
     accum, global_batch = accumulation_for(cfg, env.world)
     cfg = cfg.model_copy(update={"grad_accum_steps": accum})
-    chose = None
+    chose, gpu = None, gpu_memory(env)
     if cfg.strategy.type == "auto":  # before the model is built: the strategy decides how it is loaded
-        cfg, chose = settle_auto(cfg, env)
+        cfg, chose = settle_auto(cfg, env, gpu)
         if env.is_main:
             emit({"event": "auto", "strategy": cfg.strategy.model_dump(mode="json", by_alias=True), "why": chose})
     net = build_network(cfg)

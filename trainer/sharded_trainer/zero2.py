@@ -125,8 +125,12 @@ class Zero2Strategy:
     def _save_adapters_only(self) -> None:
         """DeepSpeed's exclude_frozen_parameters drops frozen parameters by their first name only: a tied
         output head (the frozen embedding under a second name) would still be saved. Drop every name of
-        every frozen parameter."""
-        frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        every frozen parameter, as the state dict names it (without the activation-checkpointing wrapper's
+        prefix, which its state-dict hook strips)."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+        frozen = {n.replace(_CHECKPOINT_PREFIX, "") for n, p in self.model.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad}  # fmt: skip
         module_state_dict = self.engine.module_state_dict
 
         def adapters_only(*args, **kwargs):

@@ -7,6 +7,12 @@ TLS both ways, as a kubelet does it: this server presents a certificate from the
 API server verifies it with --kubelet-certificate-authority) and accepts only clients with a certificate
 from that CA (the API server's --kubelet-client-certificate). Bound to loopback.
 
+Exec (`GET /exec/<namespace>/<pod>/<container>?command=...&input=1&output=1&error=1`, what the API server
+sends for `pods/exec`) runs the command in the pod as the kubelet's runtime would, in the pod's network,
+mount and UTS namespaces with its environment (process mode) or `docker exec` in its container, and
+streams it over the same WebSocket protocol: stdin on channel 0, stdout 1, stderr 2, and the exit as a
+Status on channel 3. No TTY.
+
 Port-forward speaks the kubelet's WebSocket protocol (`v4.channel.k8s.io`, what the Python client and
 API-server proxies use): two channels per port, data (2i) and error (2i+1), each opened by a frame holding
 the port (2 bytes, little-endian); every later binary frame is its channel byte and then data. Each port
@@ -20,8 +26,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import json
 import os
 import select
+import signal
 import ssl
 import struct
 import subprocess
@@ -32,6 +40,7 @@ import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
 FOLLOW_POLL_SECONDS = 0.2
@@ -40,8 +49,11 @@ FOLLOW_POLL_SECONDS = 0.2
 Locate = Callable[[str, str], tuple[Path, bool] | None]
 # (namespace, pod) -> the network namespace of its running sandbox, or None if it does not run here
 Netns = Callable[[str, str], str | None]
+# (namespace, pod) -> the argv prefix that runs a command inside its running container, or None
+Enter = Callable[[str, str], list[str] | None]
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-PORT_FORWARD_PROTOCOLS = ("v4.channel.k8s.io", "")  # binary channels; not the base64 variant
+PROTOCOLS = ("v4.channel.k8s.io", "")  # binary channels; not the base64 variant
+MAX_COMMAND = 256  # arguments of one exec
 MAX_FRAME = 16 << 20  # a client frame larger than this ends the stream
 MAX_PORTS = 16
 # Run inside the pod's network namespace: one TCP connection to the pod's port, its bytes on stdin/stdout.
@@ -62,6 +74,31 @@ while b := s.recv(65536):
 """
 
 
+def exec_request(query: dict[str, list[str]]) -> tuple[list[str], bool] | str:
+    """The command of an exec request and whether it reads stdin, or what is wrong with the request. The API
+    server asks with input/output/error/tty; `stdin`/`stdout`/`stderr` are accepted as well."""
+    def on(*names: str) -> bool:
+        return any(v in ("1", "true", "True") for n in names for v in query.get(n, []))
+
+    command = query.get("command", [])
+    if not command or len(command) > MAX_COMMAND or sum(map(len, command)) > 1 << 16:
+        return f"command: give 1 to {MAX_COMMAND} arguments, 64 KiB in all"
+    if on("tty"):
+        return "tty: this node serves exec without a terminal; leave tty off (kubectl exec -i, not -it)"
+    return command, on("input", "stdin")
+
+
+def exit_status(code: int) -> bytes:
+    """The v4 error channel's last word, as the kubelet writes it: a Status the client reads its exit code from."""
+    if code == 0:
+        return json.dumps({"metadata": {}, "status": "Success"}).encode()
+    return json.dumps({
+        "metadata": {}, "status": "Failure", "reason": "NonZeroExitCode",
+        "message": f"command terminated with non-zero exit code: exit status {code}",
+        "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]},
+    }).encode()  # fmt: skip
+
+
 def tail_lines(data: bytes, n: int) -> bytes:
     lines = data.splitlines(keepends=True)
     return b"".join(lines[-n:]) if n > 0 else b""
@@ -78,10 +115,10 @@ def requested_ports(values: list[str]) -> list[int] | None:
 
 
 class KubeletServer:
-    """Serves container logs and port-forwards until stop(); `port` is what the node advertises as its kubelet
-    endpoint."""
+    """Serves container logs, exec and port-forwards until stop(); `port` is what the node advertises as its
+    kubelet endpoint."""
 
-    def __init__(self, pki: Path, locate: Locate, netns: Netns):
+    def __init__(self, pki: Path, locate: Locate, netns: Netns, enter: Enter):
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(pki / "kubelet.crt", pki / "kubelet.key")
         context.load_verify_locations(pki / "ca.crt")
@@ -97,7 +134,7 @@ class KubeletServer:
             def log_message(self, *args) -> None:  # quiet: the API server retries are not news
                 pass
 
-        self.locate, self.netns = locate, netns
+        self.locate, self.netns, self.enter = locate, netns, enter
         self.httpd = ThreadingHTTPServer((HOST, 0), Handler)
         self.httpd.daemon_threads = True
         self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
@@ -121,8 +158,11 @@ class KubeletServer:
             query = urllib.parse.parse_qs(url.query)  # the API server asks with `port`, a client of ours `ports`
             self._port_forward(req, parts[1], parts[2], query.get("port", []) + query.get("ports", []))
             return
+        if parts[0] == "exec" and len(parts) in (4, 5):  # /exec/<namespace>/<pod>[/<uid>]/<container>
+            self._exec(req, parts[1], parts[2], urllib.parse.parse_qs(url.query))
+            return
         if len(parts) != 4 or parts[0] != "containerLogs":
-            req.send_error(404, "only /containerLogs/<namespace>/<pod>/<container> and /portForward are served here")
+            req.send_error(404, "only /containerLogs/<namespace>/<pod>/<container>, /exec and /portForward are served")
             return
         found = self.locate(parts[1], parts[2])
         if found is None:
@@ -154,90 +194,88 @@ class KubeletServer:
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             pass  # the reader went away (Ctrl-C on `kubectl logs -f`)
 
-    # --- port-forward -----------------------------------------------------------------------------
-    def _port_forward(self, req: BaseHTTPRequestHandler, namespace: str, pod: str, values: list[str]) -> None:
-        ports = requested_ports(values)
-        if ports is None:
-            req.send_error(400, f"ports: give 1 to {MAX_PORTS} port numbers (1-65535)")
-            return
-        key = req.headers.get("Sec-WebSocket-Key")
-        if req.headers.get("Upgrade", "").lower() != "websocket" or not key:
-            req.send_error(400, "port-forward is served over WebSocket (v4.channel.k8s.io) only")
-            return
+    # --- exec and port-forward: WebSocket streams -----------------------------------------------------
+    def _upgrade(self, req: BaseHTTPRequestHandler, what: str) -> str | None:
+        """The WebSocket protocol to answer with, or None after refusing the request."""
+        if req.headers.get("Upgrade", "").lower() != "websocket" or not req.headers.get("Sec-WebSocket-Key"):
+            req.send_error(400, f"{what} is served over WebSocket (v4.channel.k8s.io) only")
+            return None
         offered = [p.strip() for p in req.headers.get("Sec-WebSocket-Protocol", "").split(",")]
-        protocol = next((p for p in PORT_FORWARD_PROTOCOLS if p in offered), None)
+        protocol = next((p for p in PROTOCOLS if p in offered), None)
         if protocol is None:
             req.send_error(400, f"none of the WebSocket protocols {offered} is served; use v4.channel.k8s.io")
-            return
-        netns = self.netns(namespace, pod)
-        if netns is None:
-            req.send_error(404, f"pod {namespace}/{pod} does not run on this node")
-            return
+        return protocol
+
+    @staticmethod
+    def _switch(req: BaseHTTPRequestHandler, protocol: str) -> None:
+        key = req.headers["Sec-WebSocket-Key"]
         accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
         head = ["HTTP/1.1 101 Switching Protocols", "Upgrade: websocket", "Connection: Upgrade",
                 f"Sec-WebSocket-Accept: {accept}"] + ([f"Sec-WebSocket-Protocol: {protocol}"] if protocol else [])
         req.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode())
         req.wfile.flush()
         req.close_connection = True
-        Forward(req.connection, netns, ports, self._stop).run()
+
+    def _port_forward(self, req: BaseHTTPRequestHandler, namespace: str, pod: str, values: list[str]) -> None:
+        ports = requested_ports(values)
+        problem = None if ports else f"ports: give 1 to {MAX_PORTS} port numbers (1-65535)"
+        self._stream(req, "port-forward", problem, lambda: self.netns(namespace, pod), f"{namespace}/{pod}",
+                     lambda netns: Forward(req.connection, netns, ports, self._stop))  # fmt: skip
+
+    def _exec(self, req: BaseHTTPRequestHandler, namespace: str, pod: str, query: dict[str, list[str]]) -> None:
+        request = exec_request(query)
+        problem = request if isinstance(request, str) else None
+        self._stream(req, "exec", problem, lambda: self.enter(namespace, pod), f"{namespace}/{pod}",
+                     lambda prefix: Exec(req.connection, [*prefix, *request[0]], request[1], self._stop))  # fmt: skip
+
+    def _stream(self, req: BaseHTTPRequestHandler, what: str, problem: str | None, find: Callable[[], Any],
+                pod: str, start: Callable[[Any], Exec | Forward]) -> None:  # fmt: skip
+        """Refuse a malformed request, one not over WebSocket and one for a pod that does not run here (before
+        switching protocols, so the client reads why); otherwise switch and run the stream to its end."""
+        if problem:
+            req.send_error(400, problem)
+            return
+        protocol = self._upgrade(req, what)
+        if protocol is None:
+            return
+        found = find()
+        if found is None:
+            req.send_error(404, f"pod {pod} does not run on this node")
+            return
+        self._switch(req, protocol)
+        start(found).run()
 
 
-class Forward:
-    """One port-forward stream: WebSocket frames from the client to one relay process per port (inside the
-    pod's network namespace) and back. One thread does all reads and writes of the TLS socket: an SSL
-    connection is not safe to read and write from two threads at once."""
+class Stream:
+    """A server's side of one WebSocket stream of numbered channels (each binary message is its channel byte,
+    then data). One thread does all reads and writes of the TLS socket: an SSL connection is not safe to read
+    and write from two threads at once. Subclasses say what a client's message is for and when it ends."""
 
-    def __init__(self, conn: ssl.SSLSocket, netns: str, ports: list[int], stop: threading.Event):
+    def __init__(self, conn: ssl.SSLSocket, stop: threading.Event):
         self.conn, self.stop = conn, stop
-        self.relays = [
-            subprocess.Popen(
-                ["ip", "netns", "exec", netns, sys.executable, "-c", RELAY, str(port)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
-            )
-            for port in ports
-        ]
-        self.ports = ports
         self.buf = b""
         self.frames: list[bytes] = []  # a fragmented message's parts so far
 
-    def run(self) -> None:
-        try:
-            for i, port in enumerate(self.ports):  # each channel opens with its port number
-                self.send(bytes([2 * i]) + struct.pack("<H", port))
-                self.send(bytes([2 * i + 1]) + struct.pack("<H", port))
-            self._loop()
-        except (OSError, ssl.SSLError, ValueError):
-            pass  # the client went away, or broke the protocol: end the stream
-        finally:
-            for relay in self.relays:
-                relay.kill()
-                relay.wait()
-            with contextlib.suppress(OSError, ssl.SSLError):
-                self.send(struct.pack("!H", 1000), opcode=0x8)
+    def client_data(self) -> bool:
+        """Read what the client sent and handle its whole messages; False once it closed or went away."""
+        data = self.conn.recv(1 << 16)
+        if not data:
+            return False
+        self.buf += data
+        return self._frames_in()
 
-    def _loop(self) -> None:
-        open_relays = {relay.stdout.fileno(): i for i, relay in enumerate(self.relays)}
-        while open_relays and not self.stop.is_set():
-            ready = [self.conn] if self.conn.pending() else select.select([self.conn, *open_relays], [], [], 1.0)[0]
-            for source in ready:
-                if source is self.conn:
-                    data = self.conn.recv(1 << 16)
-                    if not data:
-                        return
-                    self.buf += data
-                    if not self._frames_in():
-                        return  # a close frame
-                    continue
-                i = open_relays[source]
-                data = os.read(source, 1 << 16)
-                if data:
-                    self.send(bytes([2 * i]) + data)
-                    continue
-                # The pod's side ended: say why on the error channel if the relay failed, then close it.
-                error = self.relays[i].stderr.read().decode(errors="replace").strip()
-                if self.relays[i].wait() != 0 and error:
-                    self.send(bytes([2 * i + 1]) + error[-1000:].encode())
-                del open_relays[source]
+    def wait(self, sources: list) -> list:
+        """The sources (with the client's socket first) that have something to read, within a second."""
+        if self.conn.pending():
+            return [self.conn]
+        return select.select([self.conn, *sources], [], [], 1.0)[0]
+
+    def deliver(self, channel: int, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ssl.SSLError):
+            self.send(struct.pack("!H", 1000), opcode=0x8)
 
     def _frames_in(self) -> bool:
         """Handle every whole frame in the buffer; False once the client sent a close frame."""
@@ -272,20 +310,11 @@ class Forward:
             if opcode in (0x0, 0x1, 0x2):
                 self.frames.append(payload)
                 if fin:
-                    self._deliver(b"".join(self.frames))
+                    message = b"".join(self.frames)
                     self.frames = []
+                    if message:
+                        self.deliver(message[0], message[1:])
         return True
-
-    def _deliver(self, message: bytes) -> None:
-        if not message:
-            return
-        channel, data = message[0], message[1:]
-        if channel % 2 or channel // 2 >= len(self.relays):
-            return  # the error channels are the server's to write
-        relay = self.relays[channel // 2]
-        if relay.poll() is None and data:
-            with contextlib.suppress(BrokenPipeError):
-                relay.stdin.write(data)
 
     def send(self, payload: bytes, opcode: int = 0x2) -> None:
         n = len(payload)
@@ -294,3 +323,112 @@ class Forward:
             else bytes([127]) + struct.pack("!Q", n)
         )  # fmt: skip
         self.conn.sendall(head + payload)
+
+
+class Exec(Stream):
+    """One exec: the command's stdout and stderr to channels 1 and 2, channel 0 to its stdin, and its exit
+    status on channel 3 once both outputs ended. A client that goes away kills the command."""
+
+    def __init__(self, conn: ssl.SSLSocket, argv: list[str], stdin: bool, stop: threading.Event):
+        super().__init__(conn, stop)
+        self.proc: subprocess.Popen | None = None
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:  # as a shell says it, with its exit code
+            self.error = f"{argv[0]}: {e.strerror}\n"
+
+    def run(self) -> None:
+        if self.proc is None:
+            with contextlib.suppress(OSError, ssl.SSLError):
+                self.send(bytes([2]) + self.error.encode())
+                self.send(bytes([3]) + exit_status(127))
+            self.close()
+            return
+        try:
+            outputs = {self.proc.stdout.fileno(): 1, self.proc.stderr.fileno(): 2}
+            while outputs and not self.stop.is_set():
+                for source in self.wait(list(outputs)):
+                    if source is self.conn:
+                        if not self.client_data():
+                            return
+                        continue
+                    data = os.read(source, 1 << 16)
+                    if data:
+                        self.send(bytes([outputs[source]]) + data)
+                    else:
+                        del outputs[source]
+            if not outputs:
+                self.send(bytes([3]) + exit_status(self.proc.wait()))
+        except (OSError, ssl.SSLError, ValueError):
+            pass  # the client went away, or broke the protocol: end the stream
+        finally:
+            if self.proc.poll() is None:  # nobody reads it any more: as the kubelet does, it goes
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.close()
+
+    def deliver(self, channel: int, data: bytes) -> None:
+        if channel == 0 and self.proc.stdin is not None and self.proc.poll() is None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.write(data)
+
+
+class Forward(Stream):
+    """One port-forward stream: WebSocket frames from the client to one relay process per port (inside the
+    pod's network namespace) and back."""
+
+    def __init__(self, conn: ssl.SSLSocket, netns: str, ports: list[int], stop: threading.Event):
+        super().__init__(conn, stop)
+        self.relays = [
+            subprocess.Popen(
+                ["ip", "netns", "exec", netns, sys.executable, "-c", RELAY, str(port)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+            )
+            for port in ports
+        ]
+        self.ports = ports
+
+    def run(self) -> None:
+        try:
+            for i, port in enumerate(self.ports):  # each channel opens with its port number
+                self.send(bytes([2 * i]) + struct.pack("<H", port))
+                self.send(bytes([2 * i + 1]) + struct.pack("<H", port))
+            self._loop()
+        except (OSError, ssl.SSLError, ValueError):
+            pass  # the client went away, or broke the protocol: end the stream
+        finally:
+            for relay in self.relays:
+                relay.kill()
+                relay.wait()
+            self.close()
+
+    def _loop(self) -> None:
+        open_relays = {relay.stdout.fileno(): i for i, relay in enumerate(self.relays)}
+        while open_relays and not self.stop.is_set():
+            for source in self.wait(list(open_relays)):
+                if source is self.conn:
+                    if not self.client_data():
+                        return
+                    continue
+                i = open_relays[source]
+                data = os.read(source, 1 << 16)
+                if data:
+                    self.send(bytes([2 * i]) + data)
+                    continue
+                # The pod's side ended: say why on the error channel if the relay failed, then close it.
+                error = self.relays[i].stderr.read().decode(errors="replace").strip()
+                if self.relays[i].wait() != 0 and error:
+                    self.send(bytes([2 * i + 1]) + error[-1000:].encode())
+                del open_relays[source]
+
+    def deliver(self, channel: int, data: bytes) -> None:
+        if channel % 2 or channel // 2 >= len(self.relays):
+            return  # the error channels are the server's to write
+        relay = self.relays[channel // 2]
+        if relay.poll() is None and data:
+            with contextlib.suppress(BrokenPipeError):
+                relay.stdin.write(data)

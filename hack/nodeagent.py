@@ -80,6 +80,9 @@ class PodRun:
     frozen: bool = False
     mounts: list[str] = field(default_factory=list)
     tokens: list[ProjectedToken] = field(default_factory=list)
+    # process mode: the container's environment and working directory, which an exec runs with too
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "/"
 
 
 class NodeAgent:
@@ -114,7 +117,7 @@ class NodeAgent:
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> NodeAgent:
         if self.pki is not None:
-            self.logs = KubeletServer(self.pki, self._locate_log, self._locate_netns).start()
+            self.logs = KubeletServer(self.pki, self._locate_log, self._locate_netns, self._enter).start()
         self._setup_bridge()
         for name in self.nodes:
             self._register(name)
@@ -153,6 +156,19 @@ class NodeAgent:
         """The network namespace of pod `namespace/name` while it runs on this agent (what port-forward enters)."""
         runs = [r for r in list(self.runs.values()) if (r.namespace, r.name) == (namespace, name)]
         return runs[-1].netns if runs and runs[-1].proc is not None and runs[-1].proc.poll() is None else None
+
+    def _enter(self, namespace: str, name: str) -> list[str] | None:
+        """How to run a command in pod `namespace/name` while it runs here (what exec runs): in its container
+        (container mode), or in the namespaces and environment of its process, in its working directory."""
+        runs = [r for r in list(self.runs.values()) if (r.namespace, r.name) == (namespace, name)]
+        run = runs[-1] if runs else None
+        if run is None or run.proc is None or run.proc.poll() is not None:
+            return None
+        if self.containers:
+            return ["docker", "exec", "-i", podcontainers.container_name(run.uid)]
+        # `ip netns exec` and `unshare` exec'd into the container's process: its pid has the pod's namespaces.
+        target = ["nsenter", "--target", str(run.proc.pid), "--net", "--mount", "--uts"]
+        return [*target, "env", "-i", f"--chdir={run.cwd}", *(f"{k}={v}" for k, v in run.env.items())]
 
     def _setup_bridge(self) -> None:
         if sh("ip", "link", "show", BRIDGE, check=False).returncode != 0:
@@ -510,8 +526,9 @@ class NodeAgent:
             if m.read_only:
                 lines.append(f"mount -o remount,bind,ro {target}")
         cmd = [*(container.command or []), *(container.args or [])]
-        env = self._process_env(pod, run)
-        lines.append(f"cd {shlex.quote(container.working_dir or str(run.workdir))}")
+        env = run.env = self._process_env(pod, run)
+        run.cwd = container.working_dir or str(run.workdir)
+        lines.append(f"cd {shlex.quote(run.cwd)}")
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         lines.append(f"exec env -i {exports} {' '.join(shlex.quote(c) for c in cmd)}")
         script = run.workdir / "run.sh"

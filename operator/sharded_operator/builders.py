@@ -393,6 +393,11 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
     command = ["python", "-m", "sharded_trainer.launch", "--config", settings.trainer_config_path]
     if s.command:
         command += ["--", *s.command]
+    if s.interactive:  # the same pod, environment and volumes; a person starts the runs
+        command = ["python", "-m", "sharded_trainer.interactive", "--config", settings.trainer_config_path,
+                   "--port", str(s.interactive.port)]  # fmt: skip
+        if s.checkpoint:
+            command += ["--root-dir", s.checkpoint.mount_path]
     mounts = [
         {"name": "trainer-config", "mountPath": posixpath.dirname(settings.trainer_config_path), "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},

@@ -217,7 +217,18 @@ def pipe(a: socket.socket, b: socket.socket) -> None:
         return
 
 
+def _writer(stream: Any) -> Any:
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return write
+
+
 def run(a: argparse.Namespace) -> int:
+    if (a.command == "exec") != bool(a.cmd):
+        raise JobError("exec runs the command after --, e.g. sharded exec NAME --node 1 -- nvidia-smi; "
+                       "no other command takes one")  # fmt: skip
     if a.command == "plan":
         return plan(a)
     jobs = Client.connect(kubeconfig=a.kubeconfig, namespace=a.namespace)
@@ -251,6 +262,8 @@ def run(a: argparse.Namespace) -> int:
             print(f"[node-{node}] {line}", flush=True)
     elif a.command == "port-forward":
         return port_forward(jobs, a)
+    elif a.command == "exec":
+        return jobs.exec(jobs.pod(a.name, a.node), a.cmd, _writer(sys.stdout), _writer(sys.stderr))
     return 0
 
 
@@ -307,11 +320,24 @@ def parser() -> argparse.ArgumentParser:
     pf.add_argument("ports", help="[LOCAL:]REMOTE, e.g. 8888 or 18888:8888 (LOCAL 0: any free port)")
     pf.add_argument("--node", type=int, default=0, help="whose pod (default 0)")
     pf.add_argument("--address", default="127.0.0.1", help="local address to listen on (default 127.0.0.1)")
+    xc = sub.add_parser("exec", help="run a command in one of the job's pods (as by hand in an interactive job), "
+                        "through the API server; its exit code is sharded's",
+                        usage="sharded exec NAME [--node N] -- COMMAND [ARG...]")  # fmt: skip
+    xc.add_argument("name")
+    xc.add_argument("--node", type=int, default=0, help="whose pod (default 0)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # `exec NAME -- COMMAND...`: every word after `--` is the command's, options included (argparse, with
+    # subcommands, would still read them as sharded's).
+    command: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1 :]
     a = parser().parse_args(argv)
+    a.cmd = command
     try:
         return run(a)
     except (JobError, TimeoutError) as e:

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from kubernetes.client.rest import ApiException
 from sharded_operator.exporting import ExportError, export_pod, location
 from sharded_operator.k8s import Kube, Refused
 from sharded_operator.models import (
+    CONTAINER,
     FINISHED,
     GROUP,
     KIND,
@@ -192,6 +193,26 @@ class Client:
             return self.kube.port_forward(self.namespace, pod, port)
         except ApiException as e:
             raise _api_error(e, pod) from None
+
+    def exec(self, pod: str, command: list[str], out: Callable[[str], Any], err: Callable[[str], Any]) -> int:
+        """Run `command` in the pod's trainer container, handing its stdout and stderr to `out` and `err` as
+        they come; its exit code."""
+        try:
+            s = self.kube.exec(self.namespace, pod, command, CONTAINER)
+        except ApiException as e:
+            raise _api_error(e, pod) from None
+        try:
+            while s.is_open():
+                s.update(timeout=1)
+                if s.peek_stdout():
+                    out(s.read_stdout())
+                if s.peek_stderr():
+                    err(s.read_stderr())
+            out(s.read_stdout())
+            err(s.read_stderr())
+            return s.returncode
+        finally:
+            s.close()
 
     def logs(self, name: str, *, follow: bool = False, tail: int | None = None) -> Iterator[tuple[int, str]]:
         """(node rank, line) from every pod of the current attempt, merged as they arrive. Each pod's log

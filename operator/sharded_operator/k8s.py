@@ -143,6 +143,19 @@ class Kube:
 
         return portforward(self.core.connect_get_namespaced_pod_portforward, pod, namespace, ports=str(port))
 
+    def exec(self, namespace: str, pod: str, command: list[str], container: str) -> Any:
+        """A command started in the pod's container through the API server's pods/exec: a stream whose
+        stdout and stderr the caller reads as they come and whose `.returncode` is the command's exit."""
+        from kubernetes.stream import stream
+
+        # v4, the protocol every kubelet speaks: offered v5, an API server may translate the stream to SPDY
+        # towards the kubelet instead of passing the WebSocket through.
+        return stream(
+            self.core.connect_get_namespaced_pod_exec, pod, namespace, container=container, command=command,
+            stdin=False, stdout=True, stderr=True, tty=False, _preload_content=False,
+            _headers={"sec-websocket-protocol": "v4.channel.k8s.io"},
+        )  # fmt: skip
+
     @retrying
     def host_ports_in_use(self) -> list[int | None]:
         """`status.hostPort` of every job in the cluster that has not finished."""

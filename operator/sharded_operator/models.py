@@ -20,6 +20,7 @@ from sharded_operator.spec import (
     Checkpoint,
     Elastic,
     FailurePolicy,
+    Interactive,
     Network,
     PodOverrides,
     Quantity,
@@ -131,6 +132,22 @@ SPEC_RULES = (
         good=({"scheduling": {"queueName": "team-a"}}, {"elastic": {"minNodes": 1, "maxNodes": 2}}),
         bad=({"scheduling": {"queueName": "team-a"}, "elastic": {"minNodes": 1, "maxNodes": 2}},),
     ),
+    Rule(
+        "interactive", "runs JupyterLab instead of a script: remove spec.command (run it by hand from the session)",
+        Has("interactive").implies(~Has("command")),
+        good=({"interactive": {"port": 8888}}, {"command": ["train.py"]}),
+        bad=({"interactive": {"port": 8888}, "command": ["train.py"]},),
+    ),
+    Rule(
+        "interactive", "a session waits for a person, not for progress: remove failurePolicy.hangTimeoutSeconds and "
+        "startupTimeoutSeconds, which would restart it between runs",
+        Has("interactive").implies(
+            ~Has("failurePolicy.hangTimeoutSeconds") & ~Has("failurePolicy.startupTimeoutSeconds")
+        ),
+        good=({"interactive": {}}, {"failurePolicy": {"hangTimeoutSeconds": 600}}),
+        bad=({"interactive": {}, "failurePolicy": {"hangTimeoutSeconds": 600}},
+             {"interactive": {}, "failurePolicy": {"startupTimeoutSeconds": 600}}),
+    ),
 )  # fmt: skip
 
 
@@ -172,6 +189,12 @@ class ShardedTrainingJobSpec(ApiModel):
         max_length=256,
         description="Run this script (and arguments) under torchrun instead of the bundled trainer; the trainer "
         f"config is still mounted at {DEFAULT_CONFIG_PATH}.",
+    )
+    interactive: Interactive | None = Field(
+        None,
+        description="Start the pods with every rendezvous variable set, JupyterLab on node 0 and an idle shell on the "
+        "others, instead of training: run torchrun by hand across the nodes (`sharded exec`). The session ends, and "
+        "the job succeeds, when JupyterLab on node 0 exits 0.",
     )
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
     shm_size: Quantity | None = _quantity_field(

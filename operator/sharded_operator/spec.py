@@ -155,6 +155,16 @@ class Elastic(ApiModel):
     )
 
 
+class Interactive(ApiModel):
+    """An interactive job: its pods start with every rendezvous variable set but train nothing by themselves."""
+
+    port: int = Field(
+        8888, ge=1024, le=65535,
+        description="JupyterLab's port on node 0, bound to the pod's loopback: reached through the API server only "
+        "(`sharded port-forward NAME PORT`), with the token node 0 prints in its log.",
+    )
+
+
 class VolumeClaim(ApiModel):
     """A PersistentVolumeClaim the operator creates for checkpoints."""
 

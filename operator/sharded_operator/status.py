@@ -182,7 +182,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
 
     _follow_recovery(plan, obs, now, elastic=spec.elastic is not None)
-    if _elastic_finished(job, current):
+    if _elastic_finished(job, current) or _session_ended(job, current):
         return _succeed(job, plan, current, ts)
     failures = current_failures(job, status, obs, now)
     # A lost store needs a new gang whatever else failed: no pod is replaced alone then (the pods' own
@@ -238,7 +238,10 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     elif len(running) == spec.nodes:
         if status.phase != Phase.RUNNING:
             plan.events.append(("Normal", "Running", f"all {spec.nodes} nodes running (attempt {status.attempt})"))
-        set_phase(status, Phase.RUNNING, "AllNodesRunning", f"attempt {status.attempt}: training", ts)
+        doing = "training"
+        if spec.interactive:
+            doing = f"interactive, JupyterLab on node 0 port {spec.interactive.port} (its log has the token)"
+        set_phase(status, Phase.RUNNING, "AllNodesRunning", f"attempt {status.attempt}: {doing}", ts)
     else:
         stuck = next((p for p in sorted(current, key=lambda p: p.index) if p.stuck and p.phase == "Pending"), None)
         message = f"{len(running)}/{spec.nodes} nodes running" + (f"; pod {stuck.name}: {stuck.stuck}" if stuck else "")
@@ -281,6 +284,11 @@ def _elastic_finished(job: ShardedTrainingJob, current: list[PodView]) -> bool:
     return elastic is not None and sum(p.phase == "Succeeded" for p in current) >= elastic.min_nodes
 
 
+def _session_ended(job: ShardedTrainingJob, current: list[PodView]) -> bool:
+    """An interactive job is over when JupyterLab on node 0 exited 0; the idle nodes never end by themselves."""
+    return job.spec.interactive is not None and any(p.index == 0 and p.phase == "Succeeded" for p in current)
+
+
 def _succeed(job: ShardedTrainingJob, plan: Plan, current: list[PodView], ts: str) -> Plan:
     """Pods that never joined the last round (a replacement still pending, a straggler) are deleted, not judged."""
     status, nodes = plan.status, job.spec.nodes
@@ -289,7 +297,8 @@ def _succeed(job: ShardedTrainingJob, plan: Plan, current: list[PodView], ts: st
     status.completion_time = ts
     set_ready(status, 0, nodes)
     set_phase(status, Phase.SUCCEEDED, "Completed", f"all {len(done)} nodes finished", ts)
-    plan.events.append(("Normal", "Succeeded", f"training finished after {status.restarts} restarts"))
+    what = "the interactive session ended" if job.spec.interactive else "training finished"
+    plan.events.append(("Normal", "Succeeded", f"{what} after {status.restarts} restarts"))
     return plan
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def test_the_trainer_image_runs_help_and_a_two_process_gloo_job_as_uid_1000(imag
     anyone = subprocess.run(["docker", "run", "--rm", "--network", "none", "--user", "4321:0", image, "python", "-c",
                              "import getpass; print(getpass.getuser())"], capture_output=True, text=True)  # fmt: skip
     assert anyone.returncode == 0 and anyone.stdout.strip(), anyone.stderr
+    lab = subprocess.run(["docker", "run", "--rm", "--network", "none", image, "python", "-m", "jupyterlab",
+                          "--version"], capture_output=True, text=True)  # fmt: skip
+    assert lab.returncode == 0 and lab.stdout.startswith("4."), lab.stderr  # spec.interactive's JupyterLab
     job_dir, claim = tmp_path / "job", tmp_path / "claim"
     write_config(job_dir, **{"checkpoint.dir": "/claim/ckpt", "progressFile": "/claim/progress.json"})
     claim.mkdir()
@@ -100,6 +104,12 @@ def test_a_killed_container_restarts_the_gang_and_it_resumes_from_the_newest_che
                               container_name(victim.uid)], capture_output=True, text=True, check=True)  # fmt: skip
     image, user, shm = inspect.stdout.split()
     assert image == images["trainer"] and user == f"{UID}:{UID}" and int(shm) > 64 * 2**20
+    # `sharded exec` through the API server lands in the pod's own container, as its user, with its env.
+    env = {**os.environ, "KUBECONFIG": str(stack.cluster.kubeconfig)}
+    sharded = f"{Path(sys.executable).parent}/sharded"
+    whoami = subprocess.run([sharded, "exec", name, "--node", "1", "--", "sh", "-c", "id -u; echo $PET_NODE_RANK"],
+                            capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert (whoami.returncode, whoami.stdout) == (0, f"{UID}\n1\n"), whoami.stderr
     stack.agent.crash(victim)  # `docker kill -s KILL`: no checkpoint, no goodbye
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
     assert status["phase"] == "Succeeded", jobs.logs(name)[-30000:]

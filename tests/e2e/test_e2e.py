@@ -368,13 +368,30 @@ def test_the_cli_submits_follows_every_nodes_log_and_kubectl_reads_logs_through_
     assert ours[("sharded_training_phase", "Succeeded")] == 1 and ours[("sharded_training_phase", "Running")] == 0
 
 
+def cli_env(stack) -> dict[str, str]:
+    """The environment `sharded` runs in as a user's shell has it: the kubeconfig, kubectl on the PATH."""
+    path = f"{Path(sys.executable).parent}:{stack.cluster.bin_dir}:{os.environ['PATH']}"
+    return {**os.environ, "KUBECONFIG": str(stack.cluster.kubeconfig), "PATH": path}
+
+
+def port_forward(env: dict[str, str], name: str, remote: int) -> tuple[subprocess.Popen, str]:
+    """`sharded port-forward NAME 0:REMOTE` running, and the local URL it listens at."""
+    import re
+
+    proc = subprocess.Popen(["sharded", "port-forward", name, f"0:{remote}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    first = proc.stdout.readline()
+    m = re.match(rf"Forwarding from 127\.0\.0\.1:(\d+) -> {remote} \(pod {name}-0\)", first)
+    assert m, (first, proc.poll(), proc.stderr.read() if proc.poll() is not None else "")
+    return proc, f"http://127.0.0.1:{m[1]}"
+
+
 def test_port_forward_reaches_a_server_on_a_pods_loopback_through_the_api_server(jobs, stack, tmp_path):
     """`sharded port-forward` as a user runs it, to a server node 0's pod binds to its loopback only: the API
     server's pods/portforward, served by the node's kubelet (the node agent) inside the pod's network
     namespace, for several connections at once and a file larger than any one frame. A port nothing listens
     on ends that connection with the pod's error, and the forward serves the next one."""
     import hashlib
-    import re
     import socket
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
@@ -386,16 +403,10 @@ def test_port_forward_reaches_a_server_on_a_pods_loopback_through_the_api_server
     jobs.create(job(name, nodes=1, procsPerNode=1,
                     command=["-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(www)]))
     jobs.wait(name, lambda s: s.get("phase") == "Running", what="Running")
-    path = f"{Path(sys.executable).parent}:{stack.cluster.bin_dir}:{os.environ['PATH']}"
-    env = {**os.environ, "KUBECONFIG": str(stack.cluster.kubeconfig), "PATH": path}
+    env = cli_env(stack)
 
     def forward(remote: int) -> tuple[subprocess.Popen, str]:
-        proc = subprocess.Popen(["sharded", "port-forward", name, f"0:{remote}"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-        first = proc.stdout.readline()
-        m = re.match(rf"Forwarding from 127\.0\.0\.1:(\d+) -> {remote} \(pod {name}-0\)", first)
-        assert m, (first, proc.poll(), proc.stderr.read() if proc.poll() is not None else "")
-        return proc, f"http://127.0.0.1:{m[1]}"
+        return port_forward(env, name, remote)
 
     def get(url: str) -> bytes:
         with urllib.request.urlopen(url, timeout=30) as r:
@@ -427,6 +438,67 @@ def test_port_forward_reaches_a_server_on_a_pods_loopback_through_the_api_server
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert f"error forwarding port {port + 1} to pod" in err and "refused" in err, err
+
+
+def test_an_interactive_job_serves_jupyterlab_and_trains_by_hand_across_its_nodes(jobs, stack):
+    """spec.interactive as a user drives it: JupyterLab on node 0's loopback, reached through `sharded
+    port-forward` with the token node 0 printed in its log (refused without it); a run started by hand on both
+    nodes at once with `sharded exec` forms the gang from the pods' rendezvous variables, reports progress into
+    the job's status and checkpoints to the claim, and the session goes on after it; exec's exit code is the
+    command's. The session ends, and the job succeeds, when JupyterLab exits."""
+    import re
+    import urllib.error
+    import urllib.request
+
+    name, port = "e2e-interactive", 18888
+    jobs.create(job(name, steps=10, interactive={"port": port}))
+    status = jobs.wait(name, lambda s: s.get("phase") == "Running", what="Running")
+    assert f"JupyterLab on node 0 port {port}" in status["message"], status
+    env = cli_env(stack)
+
+    def logs() -> str:  # every node's, through the API server, as `sharded logs` shows them
+        return subprocess.run(["sharded", "logs", name], capture_output=True, text=True, env=env, check=True).stdout
+
+    token = wait_for(lambda: re.search(r"\[node-0\].*/lab\?token=([0-9a-f]{48})", logs()), timeout=60,
+                     what="the token in node 0's log")[1]  # fmt: skip
+    assert re.search(r"\[node-1\].*this node idles", logs()) and "PET_RDZV_ID=" in logs()
+
+    def get(url: str, method: str = "GET") -> dict:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=30) as r:
+            return json.loads(r.read() or b"{}")
+
+    proc, url = port_forward(env, name, port)
+    try:
+        assert "started" in wait_for(lambda: get(f"{url}/api/status?token={token}"), timeout=90, what="JupyterLab")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            get(f"{url}/api/status")
+        assert refused.value.code == 403
+
+        # By hand, on every node at once, what a training pod would run: the same gang, status and claim.
+        pod = stack.cluster.api("GET", f"/api/v1/namespaces/{NS}/pods/{name}-0")
+        config = pod["spec"]["containers"][0]["command"]
+        config = config[config.index("--config") + 1]
+        runs = [
+            subprocess.Popen(["sharded", "exec", name, "--node", str(n), "--", "python", "-m", "sharded_trainer.launch",
+                              "--config", config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for n in (0, 1)
+        ]  # fmt: skip
+        outputs = [r.communicate(timeout=600)[0] for r in runs]
+        assert [r.returncode for r in runs] == [0, 0], [o[-3000:] for o in outputs]
+        status = jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step") == 10, what="checkpoint 10")
+        assert status["progress"]["step"] == 10 and status["progress"]["nodes"] == 2, status
+        assert status["phase"] == "Running" and jobs.checkpoints(name) == [10]
+        code = subprocess.run(["sharded", "exec", name, "--node", "1", "--", "sh", "-c", "echo $PET_NODE_RANK; exit 7"],
+                              capture_output=True, text=True, env=env)  # fmt: skip
+        assert (code.returncode, code.stdout) == (7, "1\n"), (code.returncode, code.stdout, code.stderr)
+
+        get(f"{url}/api/shutdown?token={token}", method="POST")  # File > Shut Down
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="the session's end")
+    assert status["phase"] == "Succeeded", jobs.explain(name)
+    assert "Succeeded: the interactive session ended" in jobs.explain(name)
 
 
 def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(jobs, stack):

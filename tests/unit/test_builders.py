@@ -235,6 +235,22 @@ def test_user_env_volumes_and_custom_command():
     assert {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
 
 
+def test_an_interactive_job_runs_the_session_with_the_training_pods_environment_and_volumes():
+    claim = {"volumeClaim": {"size": "1Gi"}, "mountPath": "/ckpt"}
+    job = make_job().spec("interactive", {"port": 9999}).spec("checkpoint", claim).model()
+    training = builders.build_pod(make_job().spec("checkpoint", claim).model(), 1, 1, SETTINGS)
+    pod = builders.build_pod(job, 1, 1, SETTINGS)
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "sharded_trainer.interactive", "--config", SETTINGS.trainer_config_path,
+                            "--port", "9999", "--root-dir", "/ckpt"]  # fmt: skip
+    # Everything a run by hand needs is as a training pod has it: the rendezvous, the claim, the progress token.
+    assert c["env"] == training["spec"]["containers"][0]["env"] and c["volumeMounts"] == \
+        training["spec"]["containers"][0]["volumeMounts"]
+    assert env_of(pod)[PodEnv.NODE_RANK] == "1"
+    without_claim = make_job().spec("interactive", {}).model()
+    assert "--root-dir" not in builders.build_pod(without_claim, 0, 1, SETTINGS)["spec"]["containers"][0]["command"]
+
+
 def test_headless_service_publishes_not_ready_addresses():
     svc = builders.build_service(make_job("x").model())
     assert svc["spec"]["clusterIP"] == "None"

@@ -49,6 +49,21 @@ def test_all_pods_succeeded_is_success():
     assert conditions["Succeeded"] == conditions["Complete"] == "True" and conditions["Running"] == "False"
 
 
+def test_an_interactive_session_runs_until_jupyterlab_on_node_0_exits():
+    job = running().spec("interactive", {"port": 8888}).model()
+    plan = decide(job, Observed(pods=pods(2)), NOW, GRACE)
+    assert plan.status.phase == "Running" and "JupyterLab on node 0 port 8888" in plan.status.message
+    lab_done = pods(2)
+    lab_done[0] = PodView(name="j-0", index=0, attempt=1, phase="Succeeded", node="node-0")
+    plan = decide(job, Observed(pods=lab_done), NOW, GRACE)
+    assert plan.status.phase == "Succeeded" and plan.delete == ["j-1"]
+    assert ("Normal", "Succeeded", "the interactive session ended after 0 restarts") in plan.events
+    # JupyterLab failing is a failure like any other: the gang restarts.
+    lab_failed = pods(2)
+    lab_failed[0] = PodView(name="j-0", index=0, attempt=1, phase="Failed", node="node-0", exit_code=1, reason="Error")
+    assert decide(job, Observed(pods=lab_failed), NOW, GRACE).status.phase == "Restarting"
+
+
 def test_complete_stays_false_until_success():
     plan = decide(running().model(), Observed(pods=pods(2)), NOW, GRACE)
     assert {c.type: c.status for c in plan.status.conditions}["Complete"] == "False"

@@ -53,7 +53,7 @@ deps:
 	@$(MAKE) --no-print-directory -j2 binaries images
 
 test: deps lint
-	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~48 min"
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~55 min"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
 
 SEEDS ?= $(or $(SEED),$(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done))

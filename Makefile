@@ -54,7 +54,7 @@ deps:
 
 test: deps lint
 	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~55 min"
-	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=15
+	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=40
 
 SEEDS ?= $(or $(SEED),$(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done))
 soak: setup binaries

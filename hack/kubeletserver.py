@@ -23,6 +23,7 @@ authorization and from nowhere else.
 
 from __future__ import annotations
 
+import abc
 import base64
 import contextlib
 import hashlib
@@ -246,7 +247,7 @@ class KubeletServer:
         start(found).run()
 
 
-class Stream:
+class Stream(abc.ABC):
     """A server's side of one WebSocket stream of numbered channels (each binary message is its channel byte,
     then data). One thread does all reads and writes of the TLS socket: an SSL connection is not safe to read
     and write from two threads at once. Subclasses say what a client's message is for and when it ends."""
@@ -270,8 +271,9 @@ class Stream:
             return [self.conn]
         return select.select([self.conn, *sources], [], [], 1.0)[0]
 
+    @abc.abstractmethod
     def deliver(self, channel: int, data: bytes) -> None:
-        raise NotImplementedError
+        """Handle one whole message the client sent on `channel`."""
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ssl.SSLError):

@@ -25,6 +25,7 @@ import select
 import socket
 import sys
 import threading
+from functools import partial
 from typing import Any
 
 import yaml
@@ -217,14 +218,6 @@ def pipe(a: socket.socket, b: socket.socket) -> None:
         return
 
 
-def _writer(stream: Any) -> Any:
-    def write(text: str) -> None:
-        stream.write(text)
-        stream.flush()
-
-    return write
-
-
 def run(a: argparse.Namespace) -> int:
     if (a.command == "exec") != bool(a.cmd):
         raise JobError("exec runs the command after --, e.g. sharded exec NAME --node 1 -- nvidia-smi; "
@@ -263,7 +256,8 @@ def run(a: argparse.Namespace) -> int:
     elif a.command == "port-forward":
         return port_forward(jobs, a)
     elif a.command == "exec":
-        return jobs.exec(jobs.pod(a.name, a.node), a.cmd, _writer(sys.stdout), _writer(sys.stderr))
+        return jobs.exec(jobs.pod(a.name, a.node), a.cmd, partial(print, end="", flush=True),
+                         partial(print, end="", flush=True, file=sys.stderr))  # fmt: skip
     return 0
 
 

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Fine-tuning speed: the trainer's Hugging Face model path next to Hugging Face Trainer (the peer,
+# peer_hf_trainer.py) and next to the trainer's own preset path, on the same GPUs in one call: same shape,
+# seq 2048, batch, bf16, synthetic tokens. Output: `ARM <label> METRICS {...}` (the trainer's last step
+# line: tokens/s per GPU over its last 10 steps, MFU, peak memory) and `ARM <label> RESULT {...}` (the
+# peer's: median step after warm-up). bench/hf_pairs.py turns them into a table with ratios.
+#   bash bench/hf_pairs.sh SHAPE OUT_FILE [ARM...]
+# SHAPE: 1b (the llama-1b preset's shape) or 8b. Arms (default: the 1b set below):
+#   peer-full peer-lora           Hugging Face Trainer: full fine-tuning (FSDP full shard on several GPUs,
+#                                 plain on one), DDP + peft LoRA r16 on all linear layers
+#   preset hf hf-lora hf-qlora    the trainer, FSDP2: preset model, Hugging Face model, + LoRA r16, + NF4 base
+#   *-zero2 *-compiled            the same under ZeRO-2 / with every block compiled (e.g. hf-lora-zero2-compiled)
+# Env: PEER (peer script, default .devwheels/peer_hf_trainer.py), PROCS (GPUs, default 1), BATCH (4),
+# STEPS (30), MODEL_DIR (where the shape's Hugging Face directory is written, default /tmp/llama-SHAPE-hf),
+# BUDGET_S (default 560: later arms are skipped and named once it is spent).
+set -uo pipefail
+shape="${1:?usage: $0 1b|8b OUT_FILE [ARM...]}"
+out="${2:?usage: $0 1b|8b OUT_FILE [ARM...]}"
+shift 2
+arms=("$@")
+[ ${#arms[@]} -gt 0 ] || arms=(peer-full peer-lora preset hf hf-lora hf-zero2 hf-lora-zero2 preset-compiled
+  hf-compiled hf-lora-compiled)
+peer="${PEER:-.devwheels/peer_hf_trainer.py}"
+procs="${PROCS:-1}"
+batch="${BATCH:-4}"
+steps="${STEPS:-30}"
+budget="${BUDGET_S:-560}"
+dir="${MODEL_DIR:-/tmp/llama-$shape-hf}"
+log="${out%.*}.log"
+case $shape in
+  1b) preset=llama-1b ;;
+  8b) preset=llama-8b ;;
+  *) echo "shape: 1b or 8b" >&2; exit 2 ;;
+esac
+echo "# $(date -u +%FT%TZ) shape=$shape procs=$procs batch=$batch seq=2048 steps=$steps $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$out"
+
+arm() {  # arm LABEL COMMAND...: run one arm under the budget, keep its result lines
+  local label="$1" start=$SECONDS
+  shift
+  if ((SECONDS >= budget)); then
+    echo "# SKIPPED $label (budget of ${budget}s spent)" | tee -a "$out"
+    return
+  fi
+  local left=$((budget + 30 - SECONDS))
+  ((left > 300)) && left=300
+  echo "== $label" >&2
+  timeout "$left" "$@" 2>&1 | tee -a "$log" | grep -E '^(RESULT|METRICS) |Error' | grep -v '"event"' | tail -1 \
+    | sed "s/^/ARM $label /" | tee -a "$out"
+  echo "# $label took $((SECONDS - start)) s" | tee -a "$out"
+}
+
+trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, strategy and compile the label names
+  local label="$1" model strategy=fsdp compile=false lora=""
+  model="{huggingface: {path: $dir}}"
+  [[ $label == preset* ]] && model="{preset: $preset}"
+  [[ $label == *zero2* ]] && strategy=zero2
+  [[ $label == *compiled* ]] && compile=true
+  [[ $label == hf-lora* ]] && lora="lora: {r: 16, alpha: 32}"
+  [[ $label == hf-qlora* ]] && lora="lora: {r: 16, alpha: 32, quantizeBase: nf4}"
+  if [[ $label != preset* && ! -f $dir/config.json ]]; then
+    python bench/hf_load.py make --shape "$preset" --out "$dir" >&2 || return
+  fi
+  cat >"/tmp/hf-pairs-$label.yaml" <<YAML
+model: $model
+strategy: {type: $strategy, $strategy: {compile: $compile}}
+data: {source: synthetic}
+$lora
+steps: $steps
+microBatchSize: $batch
+seqLen: 2048
+logEvery: 10
+YAML
+  arm "$label" torchrun --standalone --nproc-per-node "$procs" -m sharded_trainer --config "/tmp/hf-pairs-$label.yaml"
+}
+
+for label in "${arms[@]}"; do
+  case $label in
+    peer-full)
+      mode=full-ddp
+      ((procs > 1)) && mode=full-fsdp
+      arm "$label" torchrun --standalone --nproc-per-node "$procs" "$peer" "$mode" "$batch" 2048 "$shape" ;;
+    peer-lora) arm "$label" torchrun --standalone --nproc-per-node "$procs" "$peer" lora-ddp "$batch" 2048 "$shape" ;;
+    *) trainer_arm "$label" ;;
+  esac
+done

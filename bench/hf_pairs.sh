@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Fine-tuning speed: the trainer's Hugging Face model path next to Hugging Face Trainer (the peer,
 # peer_hf_trainer.py) and next to the trainer's own preset path, on the same GPUs in one call: same shape,
-# seq 2048, batch, bf16, synthetic tokens. Output: `ARM <label> METRICS {...}` (the trainer's last step
-# line: tokens/s per GPU over its last 10 steps, MFU, peak memory) and `ARM <label> RESULT {...}` (the
-# peer's: median step after warm-up). bench/hf_pairs.py turns them into a table with ratios.
+# seq 2048, batch, bf16, synthetic tokens. Output: `ARM <label> METRICS {...}` (the trainer's step lines:
+# tokens/s per GPU over each 10 steps, MFU, peak memory) and `ARM <label> RESULT {...}` (the peer's: median
+# step after warm-up); every line of every arm also goes to OUT_FILE's .log. bench/hf_pairs.py turns them
+# into a table with ratios.
 #   bash bench/hf_pairs.sh SHAPE OUT_FILE [ARM...]
 # SHAPE: 1b (the llama-1b preset's shape) or 8b. Arms (default: the 1b set below):
 #   peer-full peer-lora           Hugging Face Trainer: full fine-tuning (FSDP full shard on several GPUs,
@@ -44,7 +45,8 @@ arm() {  # arm LABEL COMMAND...: run one arm under the budget, keep its result l
   local left=$((budget + 30 - SECONDS))
   ((left > 300)) && left=300
   echo "== $label" >&2
-  timeout "$left" "$@" 2>&1 | tee -a "$log" | grep -E '^(RESULT|METRICS) |Error' | grep -v '"event"' | tail -1 \
+  # Every step line of the trainer (bench/hf_pairs.py takes the median of its windows after the first).
+  timeout "$left" "$@" 2>&1 | tee -a "$log" | grep -E '^(RESULT|METRICS) |Error' | grep -v '"event"' \
     | sed "s/^/ARM $label /" | tee -a "$out"
   echo "# $label took $((SECONDS - start)) s" | tee -a "$out"
 }

@@ -37,7 +37,7 @@ def arm_lines_from_log(txt: Path) -> dict[str, list[dict]]:
                 launches[-1].append({"kind": "METRICS", **rec})
     if len(launches) != len(labels):
         raise SystemExit(f"{txt}: {len(labels)} arms listed, {len(launches)} launches in its log")
-    return dict(zip(labels, launches))
+    return dict(zip(labels, launches, strict=True))
 
 
 def parse(txt: Path) -> dict[str, dict]:
@@ -76,7 +76,8 @@ def table(name: str, arms: dict[str, dict]) -> list[str]:
         if label.startswith("peer"):
             ours = arms.get("hf-lora" if label == "peer-lora" else "hf")
             mfu = f"{a['tok_s'] * ours['mfu_per_tok']:.1%}" if ours else "-"
-            rows.append(f"| {label} (Hugging Face Trainer) | {a['tok_s']:,} | median step | {mfu} | {a['peak']} | 1.00 | - |")
+            rows.append(f"| {label} (Hugging Face Trainer) | {a['tok_s']:,} | median step | {mfu} | {a['peak']} "
+                        "| 1.00 | - |")
             continue
         peer = arms.get(peer_of(label))
         preset = arms.get(label.replace("hf", "preset", 1)) if label.startswith("hf-") or label == "hf" else None
@@ -97,7 +98,7 @@ def plot(runs: dict[str, dict[str, dict]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for ax, (name, arms) in zip(axes[0], runs.items()):
+    for ax, (name, arms) in zip(axes[0], runs.items(), strict=True):
         labels = list(arms)
         colors = ["tab:gray" if x.startswith("peer") else "tab:blue" if x.startswith("hf") else "tab:green"
                   for x in labels]  # fmt: skip

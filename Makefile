@@ -33,7 +33,7 @@ lint: setup binaries
 	@echo "[lint] import-linter (layering from docs/design: config -> models -> builders/status -> k8s -> handlers)"
 	@.venv/bin/lint-imports --no-cache
 	@echo "[lint] shellcheck, hadolint, actionlint, helm lint"
-	@.venv/bin/shellcheck -x --source-path=SCRIPTDIR hack/*.sh .ci/run
+	@.venv/bin/shellcheck -x --source-path=SCRIPTDIR hack/*.sh bench/*.sh .ci/run
 	@.venv/bin/hadolint operator/Dockerfile trainer/Dockerfile
 	@BIN="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)"; \
 	  "$$BIN/actionlint" -shellcheck .venv/bin/shellcheck .github/workflows/*.yaml && \

@@ -1,7 +1,8 @@
 """The memory model (sharded_trainer.memplan) against the peak GPU memory the trainer reached on H200s, from
-the runs kept in bench/results: every run of the current loss (run 5 on) and the 8B-shape LoRA and QLoRA runs
-of both strategies. Prints a table (markdown) of predicted against measured peaks; the runs that fitted the
-model's constants are marked. tests/unit/test_memplan.py asserts the same comparison.
+the runs kept in bench/results: every run of the current loss (run 5 on), the 8B-shape LoRA and QLoRA runs
+of both strategies, and the trainer's arms of bench/hf_pairs.sh. Prints a table (markdown) of predicted
+against measured peaks; the runs that fitted the model's constants are marked.
+tests/unit/test_memplan.py asserts the same comparison.
 
     .venv/bin/python bench/memplan_check.py > bench/results/memplan-check.md
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+
+import hf_pairs
 
 from sharded_trainer import memplan
 from sharded_trainer.memplan import GIB, Job, Setting, estimate, load_shape
@@ -57,9 +60,26 @@ def lora_8b_runs() -> list[tuple[str, str, Job, Setting, float]]:
     return runs
 
 
+def hf_pairs_runs() -> list[tuple[str, str, Job, Setting, float]]:
+    """bench/hf_pairs.sh on one H200: the trainer's arms (seq 2048, LoRA r16 on every linear), each arm's
+    peak as its last step window reported it."""
+    runs = []
+    for path in sorted(RESULTS.glob("hf-pairs-*.txt")):
+        head = dict(kv.split("=", 1) for kv in path.read_text().splitlines()[0].split() if "=" in kv)
+        shape = load_shape({"1b": "llama-1b", "8b": "llama-8b"}[head["shape"]])
+        for label, arm in hf_pairs.parse(path).items():
+            if label.startswith("peer"):
+                continue
+            lora = "lora" in label
+            job = Job(shape, int(head["procs"]), int(head["batch"]), int(head["seq"]), lora_r=16 if lora else None,
+                      nf4="qlora" in label, compile="compiled" in label)  # fmt: skip
+            runs.append((path.name, label, job, Setting("zero2" if "zero2" in label else "fsdp"), arm["peak"]))
+    return runs
+
+
 def held_out_runs():
     """The runs whose configuration (model, processes, batch, setting) is none of the fitted runs'."""
-    runs = preset_runs() + lora_8b_runs()
+    runs = preset_runs() + lora_8b_runs() + hf_pairs_runs()
     fitted = {(job, setting) for name, arm, job, setting, _ in runs if (name, arm) in memplan.FIT_RUNS}
     return [r for r in runs if (r[2], r[3]) not in fitted]
 
@@ -69,7 +89,7 @@ def main() -> None:
     held_out = {(name, arm) for name, arm, *_ in held_out_runs()}
     print("| run | arm | setting | processes | micro-batch x seq | predicted GiB | measured GiB | error |")
     print("| --- | --- | --- | ---: | --- | ---: | ---: | ---: |")
-    for name, arm, job, setting, measured in preset_runs() + lora_8b_runs():
+    for name, arm, job, setting, measured in preset_runs() + lora_8b_runs() + hf_pairs_runs():
         predicted = estimate(job, setting).peak / GIB
         what = setting.label + (" compiled" if job.compile else "") + (
             f" LoRA r{job.lora_r}" + (" NF4" if job.nf4 else "") if job.lora_r else "")  # fmt: skip

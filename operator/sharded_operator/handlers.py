@@ -1,12 +1,14 @@
 """Thin kopf handlers over a watched view of the cluster, a work queue and reconcile().
 
-kopf's indexes hold what the watches delivered: every job, every pod with a job's name label (the pod
-watch is label-selected by the API server, not filtered here) reduced to what decisions read, and every
-node's readiness. kopf runs no handler before each index has had its initial listing, so no job is
-judged on a partial view. Handlers only mark a job to look at; a fixed number of workers reconcile marked
-jobs, never one job twice at once, each from a snapshot of the indexes: a reconcile at rest reads nothing
-from the API server. A decision that depends on the clock schedules the job's next look itself
-(`status.next_due`); the resync loop is a slow safety net for unfinished jobs, never for finished ones.
+kopf's indexes hold what the watches delivered: every job and every pod with a job's name label (the pod
+watch is label-selected by the API server, not filtered here) reduced to what decisions read; every
+node's readiness comes from the operator's own node watch (`nodewatch`: node heartbeats never reach kopf).
+kopf runs no handler before each index has had its initial listing, and no worker starts before the
+nodes are listed, so no job is judged on a partial view. Handlers only mark a job to look at; a fixed
+number of workers reconcile marked jobs, never one job twice at once, each from a snapshot of the
+indexes: a reconcile at rest reads nothing from the API server. A decision that depends on the clock
+schedules the job's next look itself (`status.next_due`); the resync loop is a slow safety net for
+unfinished jobs, never for finished ones.
 
 The resync is one loop of the operator's, not a kopf timer per job: kopf puts a finalizer on every
 object a timer watches, and `kubectl delete stj` would then hang while the operator is down. Every
@@ -30,10 +32,11 @@ from sharded_operator import election, web
 from sharded_operator.intake import ProgressDesk
 from sharded_operator.k8s import Kube
 from sharded_operator.models import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.nodewatch import Changes, NodeWatch
 from sharded_operator.progress import REPORT_FIELDS
 from sharded_operator.reconcile import Context, Snapshot, owned, reconcile
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.views import NodeView, PodView
+from sharded_operator.views import PodView
 from sharded_operator.workqueue import WorkQueue
 
 # Read once at import: `__main__` needs them before kopf starts.
@@ -74,11 +77,6 @@ async def node_jobs(namespace: str, labels: kopf.Labels, spec: kopf.Spec, **_: A
     return {node: (namespace, labels[LABEL_JOB])} if node and not SETTINGS.ignores(namespace) else None
 
 
-@kopf.index("v1", "nodes")
-async def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeView]:
-    return {name: NodeView.from_node(dict(body))}
-
-
 def _one(store: Any) -> Any:
     return next(iter(store), None) if store is not None else None
 
@@ -92,7 +90,7 @@ def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
     uid = body["metadata"]["uid"]
     body = {**body, "status": ctx.recent.status(uid, body.get("status") or {}, owned)}
     pods = ctx.recent.pods(f"{key[0]}/{key[1]}", list(index.job_pods.get(key, ())))
-    views = {n: v for n in {p.node for p in pods if p.node} if (v := _one(index.nodes.get(n))) is not None}
+    views = {n: v for n in {p.node for p in pods if p.node} if (v := index.nodes.get(n)) is not None}
     ports: frozenset[int] = frozenset()
     if ((body.get("spec") or {}).get("network") or {}).get("hostNetwork") and "hostPort" not in body["status"]:
         ports = frozenset(
@@ -112,6 +110,7 @@ async def work(ctx: Context, queue: WorkQueue, index: kopf.Memo, pool: ThreadPoo
     can change its decision. A reconcile that raised is retried with backoff (its events retry it too)."""
     loop = asyncio.get_running_loop()
     await ctx.indexed.wait()
+    await ctx.nodes_listed.wait()
     while True:
         key = await queue.get()
         try:
@@ -223,7 +222,7 @@ async def flush_progress(desk: ProgressDesk, ctx: Context) -> None:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, jobs: kopf.Index,
-                  job_pods: kopf.Index, node_jobs: kopf.Index, nodes: kopf.Index, **_: Any) -> None:  # fmt: skip
+                  job_pods: kopf.Index, node_jobs: kopf.Index, **_: Any) -> None:  # fmt: skip
     cfg = SETTINGS
     settings.posting.level = logging.WARNING  # our own events are richer than kopf's per-handler ones
     # Handlers only queue jobs: a line per handled event would cost more than the handling (thousands of pod
@@ -239,10 +238,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     ctx = memo.ctx = Context(settings=cfg, kube=kube, metrics=metrics)
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)
-    ctx.indexed = asyncio.Event()
-    memo.index = kopf.Memo(jobs=jobs, job_pods=job_pods, node_jobs=node_jobs, nodes=nodes)
+    ctx.indexed, ctx.nodes_listed = asyncio.Event(), asyncio.Event()
+    # Nodes by name (NodeView), kept by the node watch: nodes are not watched through kopf (see nodewatch).
+    memo.index = index = kopf.Memo(jobs=jobs, job_pods=job_pods, node_jobs=node_jobs, nodes={})
     memo.queue = queue = WorkQueue()
-    memo.node_ready = {}
     ctx.metrics.watch_queue(queue)
     pool = ThreadPoolExecutor(cfg.reconcile_workers, thread_name_prefix="reconcile")
     ctx.creators = ThreadPoolExecutor(2 * cfg.reconcile_workers, thread_name_prefix="create")
@@ -260,12 +259,24 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     ]
     if cfg.lease_name:
         memo.tasks.append(asyncio.create_task(elect(ctx, queue, memo.index, looks, logger)))
+    loop = asyncio.get_running_loop()
+
+    def on_nodes(diff: Changes) -> None:  # on the watch's thread
+        loop.call_soon_threadsafe(nodes_changed, ctx, queue, index, diff)
+
+    memo.node_watch = NodeWatch(
+        kube, on_listed=on_nodes, on_change=lambda name, view: on_nodes({name: view}),
+        on_event=metrics.watch_events.labels("nodes").inc,
+    )  # fmt: skip
+    memo.node_watch.start()
     logger.info("serving /metrics and /healthz on %s:%s, /progress on port %s", cfg.http_host, cfg.http_port,
                 cfg.progress_port)  # fmt: skip
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    if (watch := getattr(memo, "node_watch", None)) is not None:
+        watch.stop.set()
     for task in getattr(memo, "tasks", []):
         task.cancel()
     for runner in getattr(memo, "runners", []):
@@ -325,21 +336,15 @@ async def pod_event(type: str, body: kopf.Body, labels: kopf.Labels, namespace: 
         memo.queue.add((namespace, labels[LABEL_JOB]))
 
 
-@kopf.on.event("v1", "nodes")
-async def node_event(type: str, name: str, body: kopf.Body, memo: kopf.Memo, node_jobs: kopf.Index,
-                     **_: Any) -> None:  # fmt: skip
-    """A node's readiness changed, or the node went: look at the jobs with a pod on it. Heartbeats change
-    nothing a decision reads and cost nothing more."""
-    ctx: Context = memo.ctx
-    ctx.indexed.set()
-    ctx.metrics.watch_events.labels("nodes").inc()
-    view = None if type == "DELETED" else NodeView.from_node(dict(body))
-    if name in memo.node_ready and memo.node_ready.get(name) == view:
-        return
-    if view is None:
-        memo.node_ready.pop(name, None)
-    else:
-        memo.node_ready[name] = view
+def nodes_changed(ctx: Context, queue: WorkQueue, index: kopf.Memo, diff: Changes) -> None:
+    """On the loop, from the node watch: a node's readiness changed, or the node went (or came): the view
+    snapshots read follows, and the jobs with a pod on the node are looked at."""
+    for name, view in diff.items():
+        if view is None:
+            index.nodes.pop(name, None)
+        else:
+            index.nodes[name] = view
+    ctx.nodes_listed.set()
     if ctx.leadership.leading(_now()):
-        for key in set(node_jobs.get(name, ())):
-            memo.queue.add(key)
+        for key in {key for name in diff for key in index.node_jobs.get(name, ())}:
+            queue.add(key)

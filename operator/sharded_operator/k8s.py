@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -61,6 +61,21 @@ def _drained(response: Any) -> bytes:
     back in the pool."""
     try:
         return response.data
+    finally:
+        response.release_conn()
+
+
+def _lines(response: Any) -> Iterator[bytes]:
+    """A streamed response (`_preload_content=False`) line by line as it arrives, its connection released at
+    the end."""
+    try:
+        pending = b""
+        for chunk in response.stream(65536):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            yield from lines
+        if pending:
+            yield pending
     finally:
         response.release_conn()
 
@@ -124,16 +139,7 @@ class Kube:
         resp = self.core.read_namespaced_pod_log(
             pod, namespace, follow=follow, tail_lines=tail, _preload_content=False
         )  # fmt: skip
-        try:
-            pending = b""
-            for chunk in resp.stream(4096):
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                yield from (line.decode(errors="replace") for line in lines)
-            if pending:
-                yield pending.decode(errors="replace")
-        finally:
-            resp.release_conn()
+        yield from (line.decode(errors="replace") for line in _lines(resp))
 
     def port_forward(self, namespace: str, pod: str, port: int) -> Any:
         """One connection to `port` on the pod's loopback, through the API server's pods/portforward (the
@@ -172,8 +178,35 @@ class Kube:
         return [self._dict(p) for p in pods.items]
 
     @retrying
-    def nodes(self) -> list[dict[str, Any]]:
-        return [self._dict(n) for n in self.core.list_node().items]
+    def list_nodes(self) -> tuple[list[dict[str, Any]], str]:
+        """Every node (read as JSON: a thousand nodes through the client's models cost seconds of CPU) and the
+        list's resourceVersion, from which a watch misses nothing."""
+        body = json.loads(_drained(self.core.list_node(_preload_content=False)))
+        return body["items"], body["metadata"]["resourceVersion"]
+
+    def watch_nodes(self, resource_version: str, timeout_seconds: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(type, node) for each change of a node after `resource_version`, BOOKMARK events included (their
+        object carries only a newer version), until the API server ends the watch after `timeout_seconds`.
+        Raises Expired when the version is older than the API server keeps: list again."""
+        try:
+            resp = self.core.list_node(
+                watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+                timeout_seconds=timeout_seconds, _request_timeout=timeout_seconds + 60, _preload_content=False,
+            )  # fmt: skip
+        except ApiException as e:  # some API servers refuse the request itself rather than send an ERROR event
+            if e.status == 410:
+                raise Expired(str(e.reason)) from e
+            raise
+        for line in _lines(resp):
+            if not line.strip():
+                continue
+            event = json.loads(line)
+            if event.get("type") == "ERROR":
+                status = event.get("object") or {}
+                if status.get("code") == 410:
+                    raise Expired(status.get("message", "resource version too old"))
+                raise ApiException(status=status.get("code"), reason=status.get("message"))
+            yield event["type"], event["object"]
 
     @retrying
     def create(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -359,6 +392,10 @@ class Kube:
             },
         }  # fmt: skip
         _drained(self.events.create_namespaced_event(meta["namespace"], body, _preload_content=False))
+
+
+class Expired(RuntimeError):
+    """A watch's resourceVersion is older than the API server keeps (410 Gone): list again."""
 
 
 class MissingAPI(RuntimeError):

@@ -46,7 +46,8 @@ class Context:
     recent: Recent = field(default_factory=Recent)
     leadership: Leadership = field(default_factory=lambda: Leadership("", enabled=False))
     health: Health = field(default_factory=lambda: Health(float("inf")))
-    indexed: asyncio.Event | None = None  # set once every watched kind has had its initial listing
+    indexed: asyncio.Event | None = None  # set once every kind kopf watches has had its initial listing
+    nodes_listed: asyncio.Event | None = None  # set once the node watch has listed every node
     creators: ThreadPoolExecutor | None = None  # sends a batch of pod creates at once (None: one by one)
 
     def pod_gone(self, namespace: str, job: str, pod: dict[str, Any]) -> None:
@@ -153,15 +154,17 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
             try:
                 # The pods would mount or resolve another job's objects while it is held.
                 held = _ensure_children(ctx, decided, body)
-                if plan.create_store and not held:
-                    store_pod = adopt(builders.build_store_pod(decided, ctx.settings), body)
-                    if created := ctx.kube.create(namespace, store_pod):
-                        ctx.recent.pod_created(key, PodView.from_pod(created))
-                pods = [adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
-                        for index in ([] if held else plan.create)]  # fmt: skip
+                pods = [] if held else [
+                    adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
+                    for index in plan.create
+                ]  # fmt: skip
+                if plan.create_store and not held:  # first: the training pods' rendezvous needs it
+                    pods.insert(0, adopt(builders.build_store_pod(decided, ctx.settings), body))
                 for created in _create_pods(ctx, namespace, pods):
-                    ctx.recent.pod_created(key, PodView.from_pod(created))
-                    ctx.metrics.pods_created.inc()
+                    view = PodView.from_pod(created)
+                    ctx.recent.pod_created(key, view)
+                    if view.index >= 0:
+                        ctx.metrics.pods_created.inc()
             except MissingAPI as e:
                 return _invalid(ctx, body, str(e), logger)
             except Refused as e:  # retried at the next reconcile: a quota may free up, a policy may change
@@ -211,6 +214,19 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
         return Outcome(plan.status, due)
 
 
+def _send(ctx: Context, namespace: str, objs: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """Create `objs` at once, a request each on the creator threads; each answer in order (the object as
+    created, None if one of that name existed). Every answer is in before the first refusal or error is
+    raised."""
+    if ctx.creators is None or len(objs) <= 1:
+        return [ctx.kube.create(namespace, obj) for obj in objs]
+    futures = [ctx.creators.submit(ctx.kube.create, namespace, obj) for obj in objs]
+    wait(futures)
+    if errors := [f.exception() for f in futures if f.exception()]:
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
 def _create_pods(ctx: Context, namespace: str, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Create the pods in batches of 1, 2, 4, 8... sent at once (the slow start of Kubernetes' own Job and
     ReplicaSet controllers): a large gang is created in a few round trips, and a refusal (a quota, a
@@ -219,38 +235,30 @@ def _create_pods(ctx: Context, namespace: str, pods: list[dict[str, Any]]) -> li
     batch, rest = 1, list(pods)
     while rest:
         sent, rest = rest[:batch], rest[batch:]
-        if ctx.creators is None or len(sent) == 1:
-            results = [ctx.kube.create(namespace, pod) for pod in sent]
-        else:
-            futures = [ctx.creators.submit(ctx.kube.create, namespace, pod) for pod in sent]
-            wait(futures)
-            # Every answer is in; the first refusal (or error) is raised after those created are counted.
-            created += [r for f in futures if not f.exception() and (r := f.result())]
-            if errors := [f.exception() for f in futures if f.exception()]:
-                raise errors[0]
-            results = []
-        created += [r for r in results if r]
+        created += [made for made in _send(ctx, namespace, sent) if made]
         batch *= 2
     return created
 
 
 def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]) -> str | None:
-    """Create what the pods need; returns a child whose name is still held by another job's object."""
+    """Create what the pods need, all at once (a job's start is a chain of round trips: one less per child);
+    returns a child whose name is still held by another job's object."""
     ns, uid = body["metadata"]["namespace"], body["metadata"]["uid"]
-    for child in (builders.build_service(job), builders.build_config_map(job, ctx.settings)):
-        if not ctx.kube.create(ns, adopt(child, body)) and _held(ctx.kube.read_meta(ns, child), uid):
-            return f"{child['kind']} {child['metadata']['name']}"
+    children = [adopt(builders.build_service(job), body), adopt(builders.build_config_map(job, ctx.settings), body)]
     if (group := builders.build_pod_group(job)) is not None:
-        ctx.kube.create(ns, adopt(group, body))
+        children.append(adopt(group, body))
     if (pvc := builders.build_pvc(job)) is not None:
         assert job.spec.checkpoint and job.spec.checkpoint.volume_claim
         if not job.spec.checkpoint.volume_claim.retain_on_delete:
             pvc = adopt(pvc, body)
         pvc["metadata"]["namespace"] = ns
-        # A retained claim an earlier job of this name created (no owner, another UID recorded on it) is
-        # this job's to resume from; one still owned by a deleted job, or being deleted, is not usable yet.
-        if not ctx.kube.create(ns, pvc) and _held(ctx.kube.read_meta(ns, pvc), uid):
-            return f"{pvc['kind']} {pvc['metadata']['name']}"
+        children.append(pvc)
+    # A retained claim an earlier job of this name created (no owner, another UID recorded on it) is this
+    # job's to resume from; one still owned by a deleted job, or being deleted, is not usable yet. A PodGroup
+    # of the same name is the scheduler's, whoever made it.
+    for child, made in zip(children, _send(ctx, ns, children), strict=True):
+        if made is None and child["kind"] != "PodGroup" and _held(ctx.kube.read_meta(ns, child), uid):
+            return f"{child['kind']} {child['metadata']['name']}"
     return None
 
 

@@ -1,6 +1,7 @@
 """The memory model (sharded_trainer.memplan) against the peak GPU memory the trainer reached on H200s, from
 the runs kept in bench/results: every run of the current loss (run 5 on) that was not used to fit the model's
-three constants, and the 8B-shape LoRA and QLoRA runs of both strategies."""
+four constants, the 8B-shape LoRA and QLoRA runs of both strategies, and the trainer's arms of
+bench/hf_pairs.sh."""
 
 from __future__ import annotations
 

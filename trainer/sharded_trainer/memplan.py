@@ -17,9 +17,9 @@ step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state 
 - Activations per token: per block, the tensors a Llama block saves for backward (7 of the hidden width,
   3 of the key/value width, 4 of the MLP width, in bf16) times ACT_SCALE; for the output head and the fp32
   loss, LOGIT_BYTES per vocabulary entry. Activation checkpointing keeps each block's input and recomputes
-  one block at a time. A compiled block saves COMPILED of it.
+  one block at a time. Compiled, a block saves COMPILED_BLOCKS of it and the head and loss COMPILED_LOGITS.
 
-The three constants were fitted on four runs of the trainer on H200s (FIT_RUNS); tests/unit/test_memplan.py
+The four constants were fitted on five runs of the trainer on H200s (FIT_RUNS); tests/unit/test_memplan.py
 checks the model against every other run in bench/results, within 10%.
 """
 
@@ -35,7 +35,10 @@ from sharded_trainer.presets import PRESETS
 GIB = 1024**3
 ACT_SCALE = 1.013  # measured bytes per token per block over the saved tensors counted (llama-1b)
 LOGIT_BYTES = 11.3  # per token and vocabulary entry: bf16 logits, their fp32 upcast and its gradient
-COMPILED = 0.574  # a compiled block's activations over an eager one's
+# Compiled, over eager: a block's saved activations, and the output head's and loss's (the fused loss keeps
+# no fp32 copy of the logits). Fitted on a 1.24B and an 8B run, whose shares of logits differ (FIT_RUNS).
+COMPILED_BLOCKS = 0.792
+COMPILED_LOGITS = 0.336
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, a 1-byte scale per 64 values, an fp32 one per 256 scales
 MAX_SIZE = 1 << 24  # any one dimension of a model (layers, widths, vocabulary): far above any released model
 MARGIN = 0.9  # a setting fits when its peak is under this share of the GPU's memory, less HEADROOM
@@ -48,6 +51,7 @@ FIT_RUNS = (
     ("h200x2-eager-run10.txt", "trainer-fsdp2-b8"),
     ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4-actckpt"),
     ("h200-options-1gpu-run15.txt", "trainer-fsdp2-b4-1gpu-compiled"),
+    ("hf-pairs-8b-compiled-h200x1.txt", "hf-lora-compiled"),
 )
 
 
@@ -215,7 +219,14 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     blocks = s.layers * s.block_act_bytes()
     if setting.checkpointing:
         blocks = s.layers * 2 * s.hidden + s.block_act_bytes()
-    act = tokens * (blocks + s.vocab * LOGIT_BYTES) * (COMPILED if job.compile else 1.0)
+    if job.compile:
+        act = tokens * (blocks * COMPILED_BLOCKS + s.vocab * LOGIT_BYTES * COMPILED_LOGITS)
+    else:
+        act = tokens * (blocks + s.vocab * LOGIT_BYTES)
+    if job.nf4 and job.compile:
+        # Compiled, the partitioner saves each block's dequantized bf16 weights for the backward instead of
+        # dequantizing again (measured: 8B QLoRA compiled peaks 3.3 GiB above bf16 LoRA compiled).
+        act += s.layers * s.block_linear_params * 2
     block_bf16 = 2 * (s.block_linear_params + 2 * s.hidden)
     # FSDP2 gathers the output head (or the tied embedding) for the logits, and the blocks in flight; without
     # resharding every block's gathered copy stays until backward. An NF4 weight is dequantized as it is used.

@@ -1,0 +1,106 @@
+"""Every node's readiness, from a list and a watch of nodes on a thread of the operator's own.
+
+A kubelet (or KWOK) writes its Node's status every few seconds: a thousand nodes send hundreds of watch
+events a second that change nothing a decision reads. Through kopf's per-object machinery each cost about a
+millisecond of the event loop that also serves job and pod events; here each is one JSON parse and a
+comparison on a thread, and only a change of a node's readiness (or a node gone) reaches the loop.
+
+The watch resumes from the last version it saw (bookmarks keep that version fresh while nothing changes);
+when the API server no longer keeps that version (410 Gone) the nodes are listed again and only the
+differences are passed on, so a node deleted while the watch was away is still reported gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sharded_operator.k8s import Expired, Kube
+from sharded_operator.views import NodeView
+
+logger = logging.getLogger(__name__)
+
+# The API server ends each watch after this long (a fresh request then, as kopf's watches do); the client
+# gives up a minute later on a connection that went silent without closing.
+WATCH_SECONDS = 300
+RETRY_SECONDS = (1.0, 30.0)
+
+Changes = dict[str, NodeView | None]  # node name -> its new view, None: the node is gone
+
+
+def changes(old: dict[str, NodeView], new: dict[str, NodeView]) -> Changes:
+    """What differs between two views of the nodes: new or changed nodes with their view, gone ones with None."""
+    out: Changes = {name: view for name, view in new.items() if old.get(name) != view}
+    out.update({name: None for name in old.keys() - new.keys()})
+    return out
+
+
+class NodeWatch:
+    """Follows every node's readiness. `on_listed(views)` is called after each listing with the changes since
+    the last one (every node, the first time); `on_change(name, view)` for each change the watch shows (view
+    None: deleted); `on_event()` for every watch event, changed or not (the operator counts them). All three
+    run on the watch's thread: the operator hands them over to its event loop."""
+
+    def __init__(
+        self, kube: Kube, on_listed: Callable[[Changes], None], on_change: Callable[[str, NodeView | None], None],
+        on_event: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
+        self.kube, self.on_listed, self.on_change, self.on_event = kube, on_listed, on_change, on_event
+        self.views: dict[str, NodeView] = {}
+        self.version: str | None = None  # the last seen: where a dropped watch resumes (None: list first)
+        self.stop = threading.Event()
+
+    def start(self) -> threading.Thread:
+        self.thread = threading.Thread(target=self.run, name="node-watch", daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def run(self) -> None:
+        failures = 0
+        while not self.stop.is_set():
+            try:
+                if self.version is None:
+                    self.relist()
+                self.follow()
+                failures = 0
+            except Expired:
+                logger.info("the node watch's version expired; listing the nodes again")
+                self.version = None
+            except Exception:  # the API server away, a connection dropped: resume from the last version seen
+                delay = min(RETRY_SECONDS[0] * 2**failures, RETRY_SECONDS[1])
+                failures += 1
+                logger.exception("watching nodes failed; again in %.0fs", delay)
+                self.stop.wait(delay)
+
+    def relist(self) -> None:
+        items, version = self.kube.list_nodes()
+        fresh = {node["metadata"]["name"]: NodeView.from_node(node) for node in items}
+        diff, self.views = changes(self.views, fresh), fresh
+        self.on_listed(diff)
+        self.version = version
+
+    def follow(self) -> None:
+        """Pass on the watch's changes until the API server ends it (or the connection drops)."""
+        assert self.version is not None
+        for kind, node in self.kube.watch_nodes(self.version, WATCH_SECONDS):
+            self.version = _version(node) or self.version
+            if kind == "BOOKMARK":
+                continue
+            self.on_event()
+            name = node["metadata"]["name"]
+            view = None if kind == "DELETED" else NodeView.from_node(node)
+            if self.views.get(name) == view:
+                continue  # a heartbeat
+            if view is None:
+                self.views.pop(name, None)
+            else:
+                self.views[name] = view
+            self.on_change(name, view)
+            if self.stop.is_set():
+                break
+
+
+def _version(obj: dict[str, Any]) -> str | None:
+    return (obj.get("metadata") or {}).get("resourceVersion")

@@ -1,0 +1,83 @@
+"""The operator's node watch against the real API server: the first listing, a node added, a node going
+NotReady, and a node deleted while the watch was away, passed on when it resumes from the version it had
+seen. (A version the API server no longer keeps, 410 Gone, needs an API server's history to have moved
+past it: tests/unit/test_nodewatch.py scripts it.)"""
+
+from __future__ import annotations
+
+import datetime as dt
+import queue
+
+import pytest
+
+from conftest import wait_for
+from sharded_operator.k8s import Kube
+from sharded_operator.nodewatch import NodeWatch
+from sharded_operator.views import NodeView
+from sharded_trainer.contract import iso
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def watched(cluster, monkeypatch):
+    monkeypatch.setattr("sharded_operator.nodewatch.WATCH_SECONDS", 2)  # so the test can stop it between watches
+    listed: queue.Queue = queue.Queue()
+    changed: queue.Queue = queue.Queue()
+    watch = NodeWatch(Kube.connect(str(cluster.kubeconfig)), listed.put, lambda n, v: changed.put((n, v)))
+    watch.start()
+    yield watch, listed, changed
+    watch.stop.set()
+    watch.thread.join(timeout=30)
+
+
+def next_change(changed: queue.Queue, name: str, timeout: float = 30) -> NodeView | None:
+    """The next change the watch passed on for node `name` (changes of other nodes are skipped)."""
+    deadline = dt.datetime.now() + dt.timedelta(seconds=timeout)
+    while (left := (deadline - dt.datetime.now()).total_seconds()) > 0:
+        node, view = changed.get(timeout=left)
+        if node == name:
+            return view
+    raise AssertionError(f"no change of {name} in {timeout}s")
+
+
+def set_ready(core, name: str, status: str, since: str) -> None:
+    core.patch_node_status(name, {"status": {"conditions": [{
+        "type": "Ready", "status": status, "reason": "Test", "message": "set by the test",
+        "lastHeartbeatTime": since, "lastTransitionTime": since,
+    }]}})  # fmt: skip
+
+
+def test_the_node_watch_follows_readiness_and_a_deletion_while_it_was_away(cluster, core, watched):
+    watch, listed, changed = watched
+    first = listed.get(timeout=30)
+    names = {n.metadata.name for n in core.list_node().items}
+    assert set(first) == names and all(v is not None for v in first.values())
+
+    name = "nodewatch-extra"
+    cluster.add_gpu_node(name)
+    try:
+        wait_for(lambda: watch.views.get(name) == NodeView(ready=True), timeout=30, what="the new node Ready")
+        # Down (a node monitor would say Unknown): passed on with when it went down.
+        since = iso(dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30))
+        down = {"metadata": {"annotations": {"kwok.sharded.dev/down": "true"}}}
+        core.patch_node(name, down)
+        set_ready(core, name, "Unknown", since)
+        view = next_change(changed, name)
+        while view is not None and view.since is None:  # KWOK's own writes of the down node may land first
+            view = next_change(changed, name)
+        assert view == NodeView(ready=False, since=since)
+
+        # The watch away (its connection lost, say) while the node is deleted: back, it resumes from the last
+        # version it saw, without listing again, and the deletion is passed on.
+        watch.stop.set()
+        watch.thread.join(timeout=30)
+        assert not watch.thread.is_alive()
+        core.delete_node(name)
+        watch.stop.clear()
+        watch.start()
+        assert next_change(changed, name) is None
+        assert name not in watch.views and set(watch.views) == names and listed.empty()
+    finally:
+        if name in {n.metadata.name for n in core.list_node().items}:
+            core.delete_node(name)

@@ -1,0 +1,91 @@
+"""The operator's node watch: only readiness changes pass, a dropped watch resumes from the last version seen,
+an expired one lists again and reports what changed while it was away (a node deleted meanwhile included)."""
+
+from __future__ import annotations
+
+from sharded_operator.k8s import Expired
+from sharded_operator.nodewatch import NodeWatch, changes
+from sharded_operator.views import NodeView
+
+
+def node(name: str, rv: str, ready: bool = True, beat: str = "t0") -> dict:
+    cond = {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": "2026-01-01T00:00:00Z",
+            "lastHeartbeatTime": beat}  # fmt: skip
+    return {"metadata": {"name": name, "resourceVersion": rv}, "status": {"conditions": [cond]}}
+
+
+class ScriptedKube:
+    """list_nodes answers from `lists`, watch_nodes from `watches`: each a list of events, or an exception to
+    raise after them. Records the versions each watch started from."""
+
+    def __init__(self, lists, watches, watch: NodeWatch | None = None):
+        self.lists, self.watches, self.started_from = list(lists), list(watches), []
+        self.watch = watch
+
+    def list_nodes(self):
+        return self.lists.pop(0)
+
+    def watch_nodes(self, version, timeout):
+        self.started_from.append(version)
+        if not self.watches:
+            self.watch.stop.set()
+            return
+        script = self.watches.pop(0)
+        for item in script:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+def run(lists, watches):
+    listed, changed, events = [], [], []
+    watch = NodeWatch(None, listed.append, lambda n, v: changed.append((n, v)), lambda: events.append(1))
+    kube = ScriptedKube(lists, watches, watch)
+    watch.kube = kube
+    watch.run()
+    return listed, changed, events, kube
+
+
+def test_changes_names_new_changed_and_gone_nodes_only():
+    up, down = NodeView(ready=True), NodeView(ready=False, since="2026-01-01T00:00:00Z")
+    assert changes({"a": up, "b": up, "c": up}, {"a": up, "b": down, "d": up}) == {"b": down, "c": None, "d": up}
+    assert changes({"a": up}, {"a": NodeView(ready=True)}) == {}
+
+
+def test_heartbeats_are_counted_not_passed_on_and_readiness_changes_are():
+    lists = [([node("a", "1"), node("b", "2")], "10")]
+    watches = [[
+        ("MODIFIED", node("a", "11", beat="t1")),  # a heartbeat: same readiness
+        ("BOOKMARK", {"metadata": {"resourceVersion": "12"}}),
+        ("MODIFIED", node("b", "13", ready=False)),
+        ("MODIFIED", node("b", "14", ready=False, beat="t2")),  # still not Ready since the same time
+        ("DELETED", node("a", "15")),
+        ("ADDED", node("c", "16")),
+    ]]  # fmt: skip
+    listed, changed, events, kube = run(lists, watches)
+    assert listed == [{"a": NodeView(ready=True), "b": NodeView(ready=True)}]
+    assert changed == [("b", NodeView(ready=False, since="2026-01-01T00:00:00Z")), ("a", None),
+                       ("c", NodeView(ready=True))]  # fmt: skip
+    assert len(events) == 5  # the bookmark is not an event
+    assert kube.started_from == ["10", "16"]  # the next watch resumes where the last ended
+
+
+def test_a_dropped_watch_resumes_from_the_last_version_seen(monkeypatch):
+    monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
+    lists = [([node("a", "1")], "10")]
+    watches = [[("MODIFIED", node("a", "11", ready=False)), ConnectionResetError("dropped")],
+               [("MODIFIED", node("a", "12"))]]  # fmt: skip
+    listed, changed, _, kube = run(lists, watches)
+    assert len(listed) == 1  # not listed again
+    assert kube.started_from == ["10", "11", "12"]
+    assert [v.ready for _, v in changed] == [False, True]
+
+
+def test_an_expired_watch_lists_again_and_reports_only_what_changed_meanwhile():
+    lists = [([node("a", "1"), node("b", "2"), node("c", "3")], "10"),
+             ([node("a", "30"), node("b", "31", ready=False)], "40")]  # c deleted, b NotReady while away
+    watches = [[("MODIFIED", node("a", "11", beat="t1")), Expired("too old")]]
+    listed, changed, _, kube = run(lists, watches)
+    assert listed[1] == {"b": NodeView(ready=False, since="2026-01-01T00:00:00Z"), "c": None}
+    assert changed == []
+    assert kube.started_from == ["10", "40"]

@@ -200,13 +200,18 @@ class Kube:
         for line in _lines(resp):
             if not line.strip():
                 continue
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError as e:
+                raise Malformed(f"a watch event that is not JSON: {line[:200]!r}") from e
+            if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+                raise Malformed(f"a watch event without an object: {line[:200]!r}")
             if event.get("type") == "ERROR":
                 status = event.get("object") or {}
                 if status.get("code") == 410:
                     raise Expired(status.get("message", "resource version too old"))
                 raise ApiException(status=status.get("code"), reason=status.get("message"))
-            yield event["type"], event["object"]
+            yield event.get("type"), event["object"]
 
     @retrying
     def create(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -396,6 +401,11 @@ class Kube:
 
 class Expired(RuntimeError):
     """A watch's resourceVersion is older than the API server keeps (410 Gone): list again."""
+
+
+class Malformed(ValueError):
+    """A watch event that cannot be read. Resuming from the same version would bring it back each time:
+    list again, from a newer version."""
 
 
 class MissingAPI(RuntimeError):

@@ -7,7 +7,9 @@ comparison on a thread, and only a change of a node's readiness (or a node gone)
 
 The watch resumes from the last version it saw (bookmarks keep that version fresh while nothing changes);
 when the API server no longer keeps that version (410 Gone) the nodes are listed again and only the
-differences are passed on, so a node deleted while the watch was away is still reported gone.
+differences are passed on, so a node deleted while the watch was away is still reported gone. So is an event
+that cannot be read (it would come back on every resume from the same version), and so is a watch that failed
+`STUCK_AFTER` times in a row at one version, whatever the cause.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sharded_operator.k8s import Expired, Kube
+from sharded_operator.k8s import Expired, Kube, Malformed
 from sharded_operator.views import NodeView
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 # gives up a minute later on a connection that went silent without closing.
 WATCH_SECONDS = 300
 RETRY_SECONDS = (1.0, 30.0)
+STUCK_AFTER = 3
 
 Changes = dict[str, NodeView | None]  # node name -> its new view, None: the node is gone
 
@@ -58,25 +61,32 @@ class NodeWatch:
         return self.thread
 
     def run(self) -> None:
-        failures = 0
+        failures, stuck = 0, 0  # in a row; in a row at the same version
         while not self.stop.is_set():
+            start = self.version
             try:
                 if self.version is None:
                     self.relist()
                 self.follow()
-                failures = 0
+                failures = stuck = 0
             except Expired:
                 logger.info("the node watch's version expired; listing the nodes again")
                 self.version = None
-            except Exception:  # the API server away, a connection dropped: resume from the last version seen
+            except Exception as e:  # the API server away, a connection dropped: resume from the last version seen
+                stuck = stuck + 1 if self.version == start else 1
+                if isinstance(e, Malformed) or stuck >= STUCK_AFTER:
+                    self.version, stuck = None, 0  # resuming would fail the same way: list again
                 delay = min(RETRY_SECONDS[0] * 2**failures, RETRY_SECONDS[1])
                 failures += 1
-                logger.exception("watching nodes failed; again in %.0fs", delay)
+                logger.exception("watching nodes failed; again in %.0fs%s", delay,
+                                 " from a fresh listing" if self.version is None else "")  # fmt: skip
                 self.stop.wait(delay)
 
     def relist(self) -> None:
         items, version = self.kube.list_nodes()
-        fresh = {node["metadata"]["name"]: NodeView.from_node(node) for node in items}
+        fresh = {name: NodeView.from_node(node) for node in items if (name := _name(node))}
+        if len(fresh) < len(items):
+            logger.warning("%d listed nodes without a name left out", len(items) - len(fresh))
         diff, self.views = changes(self.views, fresh), fresh
         self.on_listed(diff)
         self.version = version
@@ -89,7 +99,9 @@ class NodeWatch:
             if kind == "BOOKMARK":
                 continue
             self.on_event()
-            name = node["metadata"]["name"]
+            name = _name(node)
+            if name is None or kind not in ("ADDED", "MODIFIED", "DELETED"):
+                raise Malformed(f"a {kind!r} node event without a name or of an unknown type")
             view = None if kind == "DELETED" else NodeView.from_node(node)
             if self.views.get(name) == view:
                 continue  # a heartbeat
@@ -103,4 +115,15 @@ class NodeWatch:
 
 
 def _version(obj: dict[str, Any]) -> str | None:
-    return (obj.get("metadata") or {}).get("resourceVersion")
+    version = _meta(obj).get("resourceVersion")
+    return version if isinstance(version, str) and version else None
+
+
+def _name(obj: Any) -> str | None:
+    name = _meta(obj).get("name")
+    return name if isinstance(name, str) and name else None
+
+
+def _meta(obj: Any) -> dict[str, Any]:
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    return meta if isinstance(meta, dict) else {}

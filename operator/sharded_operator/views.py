@@ -116,12 +116,17 @@ class NodeView:
 
     @classmethod
     def from_node(cls, node: dict[str, Any]) -> NodeView:
-        ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
-        if ready is None:
+        """A status that cannot be read counts as not Ready since an unknown time: never Ready, never lost."""
+        try:
+            conditions = (node.get("status") or {}).get("conditions") or []
+            ready = next((c for c in conditions if c.get("type") == "Ready"), None)
+            if ready is None:
+                return cls(ready=False)
+            if ready.get("status") == "True":  # when it became Ready decides nothing: a heartbeat moving it is no news
+                return cls(ready=True)
+            return cls(ready=False, since=_normal(ready.get("lastTransitionTime")))
+        except (AttributeError, TypeError, ValueError):
             return cls(ready=False)
-        if ready.get("status") == "True":  # when it became Ready decides nothing: a heartbeat that moves it is no news
-            return cls(ready=True)
-        return cls(ready=False, since=_normal(ready.get("lastTransitionTime")))
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,14 @@ an expired one lists again and reports what changed while it was away (a node de
 
 from __future__ import annotations
 
-from sharded_operator.k8s import Expired
-from sharded_operator.nodewatch import NodeWatch, changes
+import json
+from types import SimpleNamespace
+
+import pytest
+from kubernetes.client import ApiClient
+
+from sharded_operator.k8s import Expired, Kube, Malformed
+from sharded_operator.nodewatch import STUCK_AFTER, NodeWatch, changes
 from sharded_operator.views import NodeView
 
 
@@ -89,3 +95,58 @@ def test_an_expired_watch_lists_again_and_reports_only_what_changed_meanwhile():
     assert listed[1] == {"b": NodeView(ready=False, since="2026-01-01T00:00:00Z"), "c": None}
     assert changed == []
     assert kube.started_from == ["10", "40"]
+
+
+def test_an_event_that_cannot_be_read_lists_again_instead_of_resuming_into_it(monkeypatch):
+    # Resuming from the version before such an event would bring it back on every try.
+    monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
+    lists = [([node("a", "1"), node("b", "2")], "10"),
+             ([node("a", "20", ready=False), node("b", "21")], "30")]  # fmt: skip
+    watches = [[("MODIFIED", node("b", "11", ready=False)),
+                ("MODIFIED", {"metadata": {"resourceVersion": "12"}, "status": {}})]]  # fmt: skip
+    listed, changed, _, kube = run(lists, watches)
+    assert kube.started_from == ["10", "30"]
+    not_ready = NodeView(ready=False, since="2026-01-01T00:00:00Z")
+    assert changed == [("b", not_ready)]
+    assert listed[1] == {"a": not_ready, "b": NodeView(ready=True)}  # what the skipped event may have said
+
+
+def test_a_watch_failing_again_and_again_at_one_version_lists_again(monkeypatch):
+    monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
+    lists = [([node("a", "1")], "10"), ([node("a", "40")], "40")]
+    watches = [[RuntimeError("refused")]] * STUCK_AFTER
+    listed, _, _, kube = run(lists, watches)
+    assert kube.started_from == ["10"] * STUCK_AFTER + ["40"]
+    assert listed == [{"a": NodeView(ready=True)}, {}]
+
+
+def test_nodes_without_a_name_or_a_readable_status_neither_break_the_listing_nor_count_as_lost():
+    odd = node("c", "3")
+    odd["status"] = {"conditions": "Ready"}  # not a list of objects
+    lists = [([node("a", "1"), {"metadata": {}}, odd], "10")]
+    listed, *_ = run(lists, [])
+    assert listed == [{"a": NodeView(ready=True), "c": NodeView(ready=False)}]  # not Ready, since unknown
+    bad_time = {"type": "Ready", "status": "False", "lastTransitionTime": "yesterday"}
+    assert NodeView.from_node({"status": {"conditions": [bad_time]}}) == NodeView(ready=False)
+
+
+class Streamed:
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def stream(self, size):
+        yield from (self.body[i : i + 7] for i in range(0, len(self.body), 7))  # lines split across chunks
+
+    def release_conn(self):
+        pass
+
+
+@pytest.mark.parametrize("bad", [b"{not json", b'{"type": "MODIFIED"}', b"[1, 2]"])
+def test_the_client_raises_malformed_on_a_line_that_is_not_an_event(bad):
+    kube = Kube(ApiClient())
+    good = json.dumps({"type": "MODIFIED", "object": node("a", "11")}).encode()
+    kube.core = SimpleNamespace(list_node=lambda **kw: Streamed(good + b"\n\n" + bad + b"\n"))
+    events = kube.watch_nodes("10", 5)
+    assert next(events) == ("MODIFIED", node("a", "11"))
+    with pytest.raises(Malformed):
+        next(events)

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -335,11 +336,14 @@ class Bench:
         marks = [c for c in CHECKPOINTS if c < self.jobs] + [self.jobs] if paced else [self.jobs]
         done = 0
         for mark in marks:
-            meter = self.meter()
+            meter, sampler = self.meter(), self.sample(f"operator-{'paced' if paced else 'burst'}-{mark}")
             self.create_jobs(ns, names[done:mark], submitted, paced)
             done = mark
             wait(lambda m=mark: self.watch.count(ns)[0] >= m * PODS_PER_JOB, 900, "every pod seen", 0.2)
             cpu = meter.read()
+            if sampler:
+                sampler.send_signal(signal.SIGINT)  # py-spy writes what it sampled when interrupted
+                sampler.wait(60)
             # Paced: the arrivals pause for each steady state; the span of all arrivals includes the pauses,
             # so pods/s is not comparable there (latency is).
             result = summary(f"operator-{'paced' if paced else 'burst'}", submitted, self.watch.times(ns), cpu)
@@ -347,6 +351,14 @@ class Bench:
         result["steady"] = steady
         result["reconcile_seconds"] = self.histogram()
         return result
+
+    def sample(self, name: str) -> subprocess.Popen | None:
+        """With --profile, py-spy sampling the operator until interrupted (where its CPU goes while jobs start)."""
+        if not (self.profile and self.operator and self.operator.proc):
+            return None
+        return subprocess.Popen([self.profile_tool, "record", "-p", str(self.operator.proc.pid), "-f", "raw",
+                                 "-o", str(self.profile / f"{name}.txt")], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
 
     # --- the steady state -------------------------------------------------------------------------
 
@@ -479,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady", type=float, default=60.0, help="seconds of each steady-state measurement")
     ap.add_argument("--arms", default="raw-burst,operator-burst,operator-paced,raw-paced")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--profile", type=Path, help="a folder: py-spy (on PATH) samples the operator in each steady state")
+    ap.add_argument("--profile", type=Path,
+                    help="a folder: py-spy (on PATH) samples the operator while jobs start and in each steady state")
+    ap.add_argument("--malloc-arenas", default="2",
+                    help="the operator's MALLOC_ARENA_MAX (its image sets 2); 'glibc': unset, glibc's default")
     ap.add_argument("--plot", type=Path, help="draw the results (of --out, or --replot's file) into this PNG")
     ap.add_argument("--replot", type=Path, help="a results file to plot, without running anything")
     args = ap.parse_args(argv)
@@ -504,9 +519,13 @@ def main(argv: list[str] | None = None) -> int:
                 if arm.startswith("raw"):
                     results["arms"][arm] = bench.raw(ns, paced=arm.endswith("paced"))
                 else:
-                    bench.operator = OperatorProcess(
-                        cluster.kubeconfig, workdir / f"operator-{arm}.log", RESYNC_SECONDS="300"
-                    ).start()  # fmt: skip
+                    log = workdir / f"operator-{arm}.log"
+                    operator = OperatorProcess(cluster.kubeconfig, log, RESYNC_SECONDS="300")
+                    if args.malloc_arenas == "glibc":
+                        operator.env.pop("MALLOC_ARENA_MAX", None)
+                    else:
+                        operator.env["MALLOC_ARENA_MAX"] = args.malloc_arenas
+                    bench.operator = operator.start()
                     try:
                         results["arms"][arm] = bench.ours(ns, paced=arm.endswith("paced"))
                     finally:

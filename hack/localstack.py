@@ -38,6 +38,7 @@ class OperatorProcess:
             "SHARDED_OPERATOR_PROGRESS_URL": self.progress_url,
             "SHARDED_OPERATOR_RESYNC_SECONDS": "300",  # events and timers drive every decision; the resync is a net
             "SHARDED_OPERATOR_LOG_FORMAT": "plain",
+            "MALLOC_ARENA_MAX": "2",  # as the operator image sets it
             **{f"SHARDED_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()},
         }
         self.proc: subprocess.Popen | None = None

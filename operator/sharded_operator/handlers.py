@@ -23,6 +23,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -43,6 +44,8 @@ from sharded_operator.workqueue import WorkQueue
 SETTINGS = OperatorSettings.from_env()
 # A reconcile that raised is retried after this many seconds, doubling per failure in a row up to the last.
 RETRY_SECONDS = (1.0, 60.0)
+# Threads of asyncio's default executor (the lease, progress writes), as Python sizes it.
+DEFAULT_EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 JobKey = tuple[str, str]  # (namespace, name)
 
@@ -234,7 +237,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
     settings.peering.standalone = True
     metrics = web.Metrics(cfg.metrics_max_jobs)
-    kube = Kube.connect(on_request=lambda method, resource: metrics.api_requests.labels(method, resource).inc())
+    # A connection for each thread that may send at once: the reconcilers, their creators (twice as many),
+    # the node watch, and the loop's default executor (the lease, progress writes).
+    kube = Kube.connect(on_request=lambda method, resource: metrics.api_requests.labels(method, resource).inc(),
+                        connections=3 * cfg.reconcile_workers + 1 + DEFAULT_EXECUTOR_THREADS)  # fmt: skip
     ctx = memo.ctx = Context(settings=cfg, kube=kube, metrics=metrics)
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)

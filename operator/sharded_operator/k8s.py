@@ -99,12 +99,19 @@ class Kube:
         self.events = client.EventsV1Api(api_client)
 
     @classmethod
-    def connect(cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None) -> Kube:
+    def connect(
+        cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None, connections: int = 0
+    ) -> Kube:
+        """The in-cluster account, else the kubeconfig. `connections`: how many requests the caller's threads may
+        have in flight at once. The client keeps 5 connections per CPU by default; each request past the pool's
+        size is sent on a connection that is then dropped, and the next one pays for a new TLS handshake."""
+        conf = client.Configuration()
         try:
-            config.load_incluster_config()
-            return cls(client.ApiClient(), on_request)
+            config.load_incluster_config(client_configuration=conf)
         except config.ConfigException:
-            return cls(config.new_client_from_config(config_file=kubeconfig), on_request)
+            config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
+        conf.connection_pool_maxsize = max(conf.connection_pool_maxsize, connections)
+        return cls(client.ApiClient(conf), on_request)
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return self.api_client.sanitize_for_serialization(obj)

@@ -150,3 +150,4 @@ def test_the_client_raises_malformed_on_a_line_that_is_not_an_event(bad):
     assert next(events) == ("MODIFIED", node("a", "11"))
     with pytest.raises(Malformed):
         next(events)
+

@@ -356,9 +356,13 @@ class Bench:
         """With --profile, py-spy sampling the operator until interrupted (where its CPU goes while jobs start)."""
         if not (self.profile and self.operator and self.operator.proc):
             return None
-        return subprocess.Popen([self.profile_tool, "record", "-p", str(self.operator.proc.pid), "-f", "raw",
-                                 "-o", str(self.profile / f"{name}.txt")], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
+        return subprocess.Popen(self.py_spy(name), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def py_spy(self, name: str, *extra: str) -> list[str]:
+        """py-spy recording the operator's stacks into the --profile folder's `name`.txt."""
+        assert self.profile and self.operator and self.operator.proc
+        return [self.profile_tool, "record", "-p", str(self.operator.proc.pid), "-f", "raw",
+                "-o", str(self.profile / f"{name}.txt"), *extra]  # fmt: skip
 
     # --- the steady state -------------------------------------------------------------------------
 
@@ -369,9 +373,8 @@ class Bench:
         before_ops, before_api, before_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
         before_counts = self._op_counts()
         if self.profile and self.operator and self.operator.proc:  # where the operator's CPU goes at rest
-            out = self.profile / f"operator-steady-{jobs}.txt"
-            subprocess.run([self.profile_tool, "record", "-p", str(self.operator.proc.pid), "-d", str(int(self.steady)),
-                            "-f", "raw", "-o", str(out)], check=False, capture_output=True)  # fmt: skip
+            subprocess.run(self.py_spy(f"operator-steady-{jobs}", "-d", str(int(self.steady))), check=False,
+                           capture_output=True)  # fmt: skip
         else:
             time.sleep(self.steady)
         after_ops, after_api, after_cpu = self._op_requests(), self._api_requests(), self._op_cpu()

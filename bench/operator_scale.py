@@ -21,6 +21,11 @@ read as raw JSON lines); "submit -> all pods" is from the moment a job (or a raw
 to the moment its last pod was seen. pods/s = pods / (last pod seen - first submit). Between arms the
 namespace is deleted and every pod is waited out.
 
+The simulated nodes heartbeat their status every `--node-heartbeat` seconds (60; a kubelet with node leases
+writes its status every 5 minutes) and go NotReady after `--node-grace` seconds without one (600): 1,000
+nodes heartbeating every 10 s on the two cores the bench measures on fall behind and flap NotReady, which
+makes the operator restart jobs for lost nodes, a fault of the simulation, not of the cluster simulated.
+
 Absolute numbers are this machine's (2 CPU cores shared by the API server, etcd, the scheduler, KWOK, the
 operator and this process); the ratios come from arms of the same run. Not a test: nothing here asserts.
 """
@@ -498,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a folder: py-spy (on PATH) samples the operator while jobs start and in each steady state")
     ap.add_argument("--malloc-arenas", default="2",
                     help="the operator's MALLOC_ARENA_MAX (its image sets 2); 'glibc': unset, glibc's default")
+    ap.add_argument("--node-heartbeat", type=float, default=60.0,
+                    help="seconds between a KWOK node's status heartbeats (0: the stages file's 10 s)")
+    ap.add_argument("--node-grace", type=float, default=600.0,
+                    help="seconds without a heartbeat before a node is NotReady (0: the controller-manager's 50 s)")
     ap.add_argument("--plot", type=Path, help="draw the results (of --out, or --replot's file) into this PNG")
     ap.add_argument("--replot", type=Path, help="a results file to plot, without running anything")
     args = ap.parse_args(argv)
@@ -510,7 +519,10 @@ def main(argv: list[str] | None = None) -> int:
                      "arms": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         workdir = Path(tmp)
-        cluster = localcluster.LocalCluster(workdir=workdir, bin_dir=localcluster.binaries_dir(), gpu_nodes=0)
+        cluster = localcluster.LocalCluster(
+            workdir=workdir, bin_dir=localcluster.binaries_dir(), gpu_nodes=0,
+            node_heartbeat_seconds=args.node_heartbeat or None, node_grace_seconds=args.node_grace or None,
+        )  # fmt: skip
         cluster.start()
         try:
             install_crd(cluster.kubeconfig)

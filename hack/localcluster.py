@@ -174,6 +174,13 @@ class LocalCluster:
     bin_dir: Path
     gpu_nodes: int = 4
     static_volumes: int = 32
+    # A simulated node's status heartbeat (KWOK's `node-heartbeat` stage: this period, plus up to half of it
+    # at random) and how long the controller-manager waits for one before calling the node NotReady. None:
+    # the stages file's 10 s and the controller-manager's default. Many nodes on a busy machine need both
+    # longer: the heartbeats of 1,000 nodes every 10 s are work the machine shares with what it measures,
+    # and when they fall behind nodes flap NotReady, which a real kubelet on its own machine would not do.
+    node_heartbeat_seconds: float | None = None
+    node_grace_seconds: float | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
 
@@ -210,6 +217,22 @@ class LocalCluster:
         self.procs[name] = proc
         (self.workdir / "pids").mkdir(exist_ok=True)
         (self.workdir / "pids" / name).write_text(str(proc.pid))
+
+    def _kwok_stages(self) -> Path:
+        """The KWOK stages file, with the node heartbeat's period where one is set."""
+        stages = ROOT / "hack" / "kwok-stages.yaml"
+        if not self.node_heartbeat_seconds:
+            return stages
+        import yaml
+
+        docs = list(yaml.safe_load_all(stages.read_text()))
+        (beat,) = [d for d in docs if d["metadata"]["name"] == "node-heartbeat"]
+        ms = int(self.node_heartbeat_seconds * 1000)
+        # KWOK waits the duration plus a random part of (duration, jitter]: jitter is the longest wait.
+        beat["spec"]["delay"] = {"durationMilliseconds": ms, "jitterDurationMilliseconds": ms * 3 // 2}
+        out = self.workdir / "kwok-stages.yaml"
+        out.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        return out
 
     def start(self, timeout: float = 120) -> LocalCluster:
         """Start every component, wait until the API server is ready and the GPU nodes are Ready."""
@@ -272,6 +295,7 @@ class LocalCluster:
                     f"--service-account-private-key-file={pki / 'sa.key'}",
                     f"--root-ca-file={pki / 'ca.crt'}",
                     f"--service-cluster-ip-range={SERVICE_CIDR}",
+                    *([f"--node-monitor-grace-period={self.node_grace_seconds:g}s"] if self.node_grace_seconds else []),
                     "--v=1",
                 ],
             )
@@ -284,7 +308,7 @@ class LocalCluster:
                 [
                     "kwok",
                     f"--kubeconfig={kc}",
-                    f"--config={ROOT / 'hack' / 'kwok-stages.yaml'}",
+                    f"--config={self._kwok_stages()}",
                     "--manage-nodes-with-label-selector=type=kwok",
                     f"--cidr={POD_CIDR}",
                     f"--node-ip={HOST}",

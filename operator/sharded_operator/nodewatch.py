@@ -78,8 +78,11 @@ class NodeWatch:
                     self.version, stuck = None, 0  # resuming would fail the same way: list again
                 delay = min(RETRY_SECONDS[0] * 2**failures, RETRY_SECONDS[1])
                 failures += 1
-                logger.exception("watching nodes failed; again in %.0fs%s", delay,
-                                 " from a fresh listing" if self.version is None else "")  # fmt: skip
+                if isinstance(e, Malformed):  # what the API server sent, not a fault here: no traceback to read
+                    logger.warning("a node event could not be read (%s); listing the nodes again in %.0fs", e, delay)
+                else:
+                    logger.exception("watching nodes failed; again in %.0fs%s", delay,
+                                     " from a fresh listing" if self.version is None else "")  # fmt: skip
                 self.stop.wait(delay)
 
     def relist(self) -> None:

@@ -97,7 +97,7 @@ def test_an_expired_watch_lists_again_and_reports_only_what_changed_meanwhile():
     assert kube.started_from == ["10", "40"]
 
 
-def test_an_event_that_cannot_be_read_lists_again_instead_of_resuming_into_it(monkeypatch):
+def test_an_event_that_cannot_be_read_lists_again_instead_of_resuming_into_it(monkeypatch, caplog):
     # Resuming from the version before such an event would bring it back on every try.
     monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
     lists = [([node("a", "1"), node("b", "2")], "10"),
@@ -109,15 +109,19 @@ def test_an_event_that_cannot_be_read_lists_again_instead_of_resuming_into_it(mo
     not_ready = NodeView(ready=False, since="2026-01-01T00:00:00Z")
     assert changed == [("b", not_ready)]
     assert listed[1] == {"a": not_ready, "b": NodeView(ready=True)}  # what the skipped event may have said
+    (record,) = [r for r in caplog.records if r.name == "sharded_operator.nodewatch" and r.levelname != "INFO"]
+    assert record.levelname == "WARNING" and "could not be read" in record.getMessage() and not record.exc_info
 
 
-def test_a_watch_failing_again_and_again_at_one_version_lists_again(monkeypatch):
+def test_a_watch_failing_again_and_again_at_one_version_lists_again(monkeypatch, caplog):
     monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
     lists = [([node("a", "1")], "10"), ([node("a", "40")], "40")]
     watches = [[RuntimeError("refused")]] * STUCK_AFTER
     listed, _, _, kube = run(lists, watches)
     assert kube.started_from == ["10"] * STUCK_AFTER + ["40"]
     assert listed == [{"a": NodeView(ready=True)}, {}]
+    failed = [r for r in caplog.records if r.getMessage().startswith("watching nodes failed")]
+    assert len(failed) == STUCK_AFTER and all(r.exc_info for r in failed)  # a fault here: its traceback
 
 
 def test_nodes_without_a_name_or_a_readable_status_neither_break_the_listing_nor_count_as_lost():

@@ -16,6 +16,10 @@ KWOK nodes of 8 GPUs, and in one run, one arm after the other:
    job is let reach Running and the steady state is measured again (how it grows with the jobs);
 4. raw paced: the raw client creates each job's pods at the same arrival rate.
 
+An arm named `raw-burst-services` (or `raw-paced-services`), not run unless asked for, is the raw client
+creating each job's headless Service as well as its pods: the share of the gap to the raw client that is
+the cluster's work for a Service's pods (endpoints, the scheduler's spreading) rather than the operator's.
+
 Every pod is timed when this process first sees it in a watch (one label-selected watch of every pod,
 read as raw JSON lines); "submit -> all pods" is from the moment a job (or a raw job's first pod) was sent
 to the moment its last pod was seen. pods/s = pods / (last pod seen - first submit). Between arms the
@@ -68,8 +72,10 @@ def job_body(name: str) -> dict:
     }  # fmt: skip
 
 
-def raw_pods(name: str, namespace: str) -> list[dict]:
-    """The pods the operator creates for job `name` (attempt 1), without the owner reference: no job owns them."""
+def raw_pods(name: str, namespace: str, service: bool = False) -> list[dict]:
+    """The pods the operator creates for job `name` (attempt 1), without the owner reference: no job owns them;
+    with `service`, its headless Service first (the pods' DNS names: what the cluster does for each pod that
+    a Service selects is part of a job's cost)."""
     body = job_body(name)
     body["metadata"].update(namespace=namespace, uid=f"raw-{name}")
     body["status"] = {"attempt": 1}
@@ -78,7 +84,7 @@ def raw_pods(name: str, namespace: str) -> list[dict]:
     pods = [builders.build_pod(job, i, 1, settings) for i in range(8)] + [builders.build_store_pod(job, settings)]
     for pod in pods:
         pod["metadata"]["namespace"] = namespace
-    return pods
+    return [builders.build_service(job), *pods] if service else pods
 
 
 class PodWatch:
@@ -230,8 +236,9 @@ class CpuMeter:
 
 class Bench:
     def __init__(self, cluster: localcluster.LocalCluster, jobs: int, rate: float, steady: float,
-                 profile: Path | None = None):  # fmt: skip
+                 profile: Path | None = None, memory: Path | None = None):  # fmt: skip
         self.cluster, self.jobs, self.rate, self.steady = cluster, jobs, rate, steady
+        self.memory = memory  # the operator runs under bench/operator_memory.py, which writes here
         self.profile, self.profile_tool = profile, shutil.which("py-spy") or "py-spy"
         conf = client.Configuration()
         config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=conf)
@@ -294,14 +301,21 @@ class Bench:
 
     # --- arms -------------------------------------------------------------------------------------
 
-    def raw(self, ns: str, paced: bool) -> dict:
+    def create(self, ns: str, obj: dict) -> None:
+        if obj["kind"] == "Service":
+            self.core.create_namespaced_service(ns, obj, _preload_content=False)
+        else:
+            self.core.create_namespaced_pod(ns, obj, _preload_content=False)
+
+    def raw(self, ns: str, arm: str) -> dict:
+        paced = arm.endswith("paced")
         names = [f"j{i:04d}" for i in range(self.jobs)]
-        bodies = {n: raw_pods(n, ns) for n in names}
+        bodies = {n: raw_pods(n, ns, service="services" in arm) for n in names}
         submitted: dict[str, float] = {}
 
         def send(name: str) -> None:
-            for pod in bodies[name]:
-                self.core.create_namespaced_pod(ns, pod, _preload_content=False)
+            for obj in bodies[name]:
+                self.create(ns, obj)
 
         futures = []
         meter = self.meter()
@@ -311,14 +325,13 @@ class Bench:
                 time.sleep(max(0.0, start + i / self.rate - time.monotonic()))
             submitted[name] = time.monotonic()
             if paced:  # a job's pods at once, as a controller sends them
-                futures += [self.pool.submit(self.core.create_namespaced_pod, ns, pod, _preload_content=False)
-                            for pod in bodies[name]]  # fmt: skip
+                futures += [self.pool.submit(self.create, ns, obj) for obj in bodies[name]]
             else:
                 futures.append(self.pool.submit(send, name))
         for f in futures:
             f.result()
         wait(lambda: self.watch.count(ns)[0] >= self.jobs * PODS_PER_JOB, 900, "every raw pod seen", 0.2)
-        return summary("raw-paced" if paced else "raw-burst", submitted, self.watch.times(ns), meter.read())
+        return summary(arm, submitted, self.watch.times(ns), meter.read())
 
     def create_jobs(self, ns: str, names: list[str], submitted: dict[str, float], paced: bool) -> None:
         def send(name: str) -> None:
@@ -393,6 +406,12 @@ class Bench:
             "operator_per_s": counts,  # reconciles, skipped looks and watch events handled, per second
         }  # fmt: skip
         print(json.dumps(out), flush=True)
+        if self.memory and self.operator and self.operator.proc:  # after the RSS is read: the dump allocates
+            with self.memory.open("a") as f:
+                f.write(f"\n# steady state, {jobs} jobs, RSS {out['operator_rss_mb']} MB\n")
+            size = self.memory.stat().st_size
+            self.operator.proc.send_signal(signal.SIGUSR2)
+            wait(lambda: self.memory.stat().st_size > size + 200, 300, "the operator's memory dump", 1)
         return out
 
     def _phases(self, ns: str) -> dict[str, int]:
@@ -478,7 +497,8 @@ def plot(results: dict, out: Path) -> None:
     left.set_xlabel("jobs running (8 GPU pods + a store pod each), nothing changing")
     left.set_title(f"steady state, {results['nodes']} KWOK nodes")
     left.legend(fontsize=8)
-    names = [a for a in ("raw-burst", "operator-burst", "raw-paced", "operator-paced") if a in arms]
+    names = [a for a in ("raw-burst", "raw-burst-services", "operator-burst", "raw-paced", "operator-paced")
+             if a in arms]  # fmt: skip
     x = range(len(names))
     right.bar([i - 0.2 for i in x], [arms[a]["submit_to_all_pods_p50_s"] for a in names], 0.4, label="p50")
     right.bar([i + 0.2 for i in x], [arms[a]["submit_to_all_pods_p99_s"] for a in names], 0.4, label="p99")
@@ -501,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--profile", type=Path,
                     help="a folder: py-spy (on PATH) samples the operator while jobs start and in each steady state")
+    ap.add_argument("--tracemalloc", type=Path,
+                    help="a file: the operator runs under tracemalloc and writes where its memory is in each steady "
+                         "state (slower: not for the timings)")
     ap.add_argument("--malloc-arenas", default="2",
                     help="the operator's MALLOC_ARENA_MAX (its image sets 2); 'glibc': unset, glibc's default")
     ap.add_argument("--node-heartbeat", type=float, default=60.0,
@@ -527,15 +550,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             install_crd(cluster.kubeconfig)
             add_nodes(cluster, args.nodes)
-            bench = Bench(cluster, args.jobs, args.rate, args.steady, args.profile)
+            bench = Bench(cluster, args.jobs, args.rate, args.steady, args.profile, args.tracemalloc)
             for i, arm in enumerate(arms):
                 print(f"[bench] arm {arm}", flush=True)
                 ns = bench.namespace(f"{arm}-{i}")
                 if arm.startswith("raw"):
-                    results["arms"][arm] = bench.raw(ns, paced=arm.endswith("paced"))
+                    results["arms"][arm] = bench.raw(ns, arm)
                 else:
                     log = workdir / f"operator-{arm}.log"
                     operator = OperatorProcess(cluster.kubeconfig, log, RESYNC_SECONDS="300")
+                    if args.tracemalloc:
+                        operator.command = [sys.executable, str(ROOT / "bench" / "operator_memory.py"),
+                                            str(args.tracemalloc.resolve())]  # fmt: skip
                     if args.malloc_arenas == "glibc":
                         operator.env.pop("MALLOC_ARENA_MAX", None)
                     else:
@@ -556,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = burst["operator-burst"]["pods_per_s"] / burst["raw-burst"]["pods_per_s"]
         results["burst_pods_per_s_ratio"] = round(ratio, 3)
         print(f"[bench] burst pods/s, operator / raw: {ratio:.3f}", flush=True)
+    if "raw-burst-services" in burst and "operator-burst" in burst:
+        ratio = burst["operator-burst"]["pods_per_s"] / burst["raw-burst-services"]["pods_per_s"]
+        results["burst_pods_per_s_ratio_to_raw_with_services"] = round(ratio, 3)
+        print(f"[bench] burst pods/s, operator / raw with Services: {ratio:.3f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if args.plot:

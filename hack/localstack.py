@@ -41,13 +41,12 @@ class OperatorProcess:
             "MALLOC_ARENA_MAX": "2",  # as the operator image sets it
             **{f"SHARDED_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()},
         }
+        self.command = [sys.executable, "-m", "sharded_operator"]  # the bench may wrap it (a profiler)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60) -> OperatorProcess:
         out = open(self.log, "ab")  # noqa: SIM115 - owned by the child process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sharded_operator"], env=self.env, stdout=out, stderr=subprocess.STDOUT
-        )
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

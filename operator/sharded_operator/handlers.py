@@ -23,7 +23,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +31,7 @@ import kopf
 from sharded_operator import election, web
 from sharded_operator.intake import ProgressDesk
 from sharded_operator.k8s import Kube
+from sharded_operator.memory import TRIM_SECONDS, Trimmer
 from sharded_operator.models import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
 from sharded_operator.nodewatch import Changes, NodeWatch
 from sharded_operator.progress import REPORT_FIELDS
@@ -44,8 +44,10 @@ from sharded_operator.workqueue import WorkQueue
 SETTINGS = OperatorSettings.from_env()
 # A reconcile that raised is retried after this many seconds, doubling per failure in a row up to the last.
 RETRY_SECONDS = (1.0, 60.0)
-# Threads of asyncio's default executor (the lease, progress writes), as Python sizes it.
-DEFAULT_EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)
+# Threads of the event loop's default executor, which sends the lease's and the progress desk's requests
+# (token reviews, pod reads, status writes). Set rather than left to Python (CPUs + 4, up to 32: the
+# machine's CPUs, not the pod's) so that the connection pool can be sized to match.
+API_THREADS = 16
 
 JobKey = tuple[str, str]  # (namespace, name)
 
@@ -216,6 +218,14 @@ async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks, 
         await asyncio.sleep(election.RETRY_SECONDS)
 
 
+async def trim_memory(queue: WorkQueue, trimmer: Trimmer, logger: logging.Logger) -> None:
+    """Every TRIM_SECONDS, while no job waits for a reconcile, give the memory freed since back (memory.py)."""
+    while True:
+        await asyncio.sleep(TRIM_SECONDS)
+        if len(queue) == 0 and (freed := trimmer.trim() or 0) >= 2**20:  # less is not news
+            logger.info("gave %.1f MB of freed memory back to the system", freed / 2**20)
+
+
 async def flush_progress(desk: ProgressDesk, ctx: Context) -> None:
     while True:
         await asyncio.sleep(1)
@@ -239,8 +249,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     metrics = web.Metrics(cfg.metrics_max_jobs)
     # A connection for each thread that may send at once: the reconcilers, their creators (twice as many),
     # the node watch, and the loop's default executor (the lease, progress writes).
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(API_THREADS, thread_name_prefix="api"))
     kube = Kube.connect(on_request=lambda method, resource: metrics.api_requests.labels(method, resource).inc(),
-                        connections=3 * cfg.reconcile_workers + 1 + DEFAULT_EXECUTOR_THREADS)  # fmt: skip
+                        connections=3 * cfg.reconcile_workers + 1 + API_THREADS)  # fmt: skip
     ctx = memo.ctx = Context(settings=cfg, kube=kube, metrics=metrics)
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)
@@ -265,6 +276,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     ]
     if cfg.lease_name:
         memo.tasks.append(asyncio.create_task(elect(ctx, queue, memo.index, looks, logger)))
+    if (trimmer := Trimmer()).available:
+        memo.tasks.append(asyncio.create_task(trim_memory(queue, trimmer, logger)))
     loop = asyncio.get_running_loop()
 
     def on_nodes(diff: Changes) -> None:  # on the watch's thread

@@ -225,20 +225,18 @@ class Kube:
         """Create `obj` and return it as created (a pod with its UID); an existing object of that name is
         success too (returns None)."""
         kind = obj["kind"]
+        core = {
+            "Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "PersistentVolumeClaim": self.core.create_namespaced_persistent_volume_claim,
+        }  # fmt: skip
         try:
-            if kind == "Pod":  # read as JSON: the client's model objects cost more CPU than the request
-                return json.loads(_drained(self.core.create_namespaced_pod(namespace, obj, _preload_content=False)))
-            if kind == "Service":
-                self.core.create_namespaced_service(namespace, obj)
-            elif kind == "ConfigMap":
-                self.core.create_namespaced_config_map(namespace, obj)
-            elif kind == "PersistentVolumeClaim":
-                self.core.create_namespaced_persistent_volume_claim(namespace, obj)
-            elif kind == "PodGroup":
-                group, version = obj["apiVersion"].split("/")
-                self.custom.create_namespaced_custom_object(group, version, namespace, "podgroups", obj)
-            else:
+            if kind in core:  # read as JSON: the client's model objects cost more CPU than the request
+                return json.loads(_drained(core[kind](namespace, obj, _preload_content=False)))
+            if kind != "PodGroup":
                 raise ValueError(f"unsupported kind {kind}")
+            group, version = obj["apiVersion"].split("/")
+            self.custom.create_namespaced_custom_object(group, version, namespace, "podgroups", obj)
         except ApiException as e:
             if e.status == 409:
                 return None

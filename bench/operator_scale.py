@@ -350,13 +350,13 @@ class Bench:
     def ours(self, ns: str, paced: bool) -> dict:
         names = [f"j{i:04d}" for i in range(self.jobs)]
         submitted: dict[str, float] = {}
-        steady = []
+        steady, windows = [], []
         marks = [c for c in CHECKPOINTS if c < self.jobs] + [self.jobs] if paced else [self.jobs]
         done = 0
         for mark in marks:
             meter, sampler = self.meter(), self.sample(f"operator-{'paced' if paced else 'burst'}-{mark}")
             self.create_jobs(ns, names[done:mark], submitted, paced)
-            done = mark
+            window, done = names[done:mark], mark
             wait(lambda m=mark: self.watch.count(ns)[0] >= m * PODS_PER_JOB, 900, "every pod seen", 0.2)
             cpu = meter.read()
             if sampler:
@@ -365,8 +365,15 @@ class Bench:
             # Paced: the arrivals pause for each steady state; the span of all arrivals includes the pauses,
             # so pods/s is not comparable there (latency is).
             result = summary(f"operator-{'paced' if paced else 'burst'}", submitted, self.watch.times(ns), cpu)
+            if paced:  # the jobs that arrived since the last pause, alone: how latency changes with the jobs
+                lat = job_latencies({n: submitted[n] for n in window}, self.watch.times(ns))
+                windows.append({"jobs": f"{mark - len(window) + 1}-{mark}",
+                                "p50_s": round(percentile(lat, 0.5), 3), "p99_s": round(percentile(lat, 0.99), 3)})
+                print(json.dumps(windows[-1]), flush=True)
             steady.append(self.steady_state(ns, mark))
         result["steady"] = steady
+        if windows:
+            result["windows"] = windows
         result["reconcile_seconds"] = self.histogram()
         return result
 
@@ -403,6 +410,7 @@ class Bench:
             "all_clients_requests_per_s": round((after_api - before_api) / self.steady, 2),
             "operator_cpu_percent": round(100 * (after_cpu - before_cpu) / self.steady, 2),
             "operator_rss_mb": round(self._op_rss() / 2**20, 1),
+            "job_restarts": self._phases(ns)["restarts"],  # a healthy start restarts nothing
             "operator_per_s": counts,  # reconciles, skipped looks and watch events handled, per second
         }  # fmt: skip
         print(json.dumps(out), flush=True)
@@ -415,11 +423,13 @@ class Bench:
         return out
 
     def _phases(self, ns: str) -> dict[str, int]:
+        """Jobs by phase, and under "restarts" the gang restarts of them all (none, when nothing failed)."""
         items = self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-        out: dict[str, int] = {}
+        out: dict[str, int] = {"restarts": 0}
         for j in items:
             phase = (j.get("status") or {}).get("phase", "")
             out[phase] = out.get(phase, 0) + 1
+            out["restarts"] += (j.get("status") or {}).get("restarts") or 0
         return out
 
     def _metrics(self, url: str) -> list[tuple[str, float]]:
@@ -566,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                         operator.env.pop("MALLOC_ARENA_MAX", None)
                     else:
                         operator.env["MALLOC_ARENA_MAX"] = args.malloc_arenas
-                    bench.operator = operator.start()
+                    bench.operator = operator.start(timeout=600 if args.tracemalloc else 60)  # traced: slow
                     try:
                         results["arms"][arm] = bench.ours(ns, paced=arm.endswith("paced"))
                     finally:

@@ -18,7 +18,10 @@ from typing import Any
 from sharded_operator.views import PodView
 
 # A write the watch never showed (the pod was deleted before its event came) is dropped after this long.
-KEEP_SECONDS = 60.0
+# Long enough for a watch that lags behind a burst: an operator whose events arrive a minute late must not
+# take the pods it just created for deleted ones and restart healthy gangs (measured: a slowed operator, a
+# minute behind, did so under a 60 s keep). client-go keeps its controllers' expectations as long.
+KEEP_SECONDS = 300.0
 
 
 class Recent:

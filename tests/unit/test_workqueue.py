@@ -107,6 +107,17 @@ def test_a_created_pod_counts_until_the_watch_shows_it_or_its_deletion():
     assert recent.pods("ns/j", []) == []
 
 
+def test_a_created_pod_counts_through_minutes_of_watch_lag():
+    # Pods taken for deleted while their events were late would restart healthy gangs after a burst.
+    clock = Clock()
+    recent = Recent(clock)
+    recent.pod_created("ns/j", pod("j-0", "u0"))
+    clock.t += 240
+    assert [p.name for p in recent.pods("ns/j", [])] == ["j-0"]
+    clock.t += 61
+    assert recent.pods("ns/j", []) == []
+
+
 def owned(status: dict) -> dict:
     return {k: v for k, v in status.items() if k != "progress"}
 

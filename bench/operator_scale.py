@@ -410,7 +410,7 @@ class Bench:
             "all_clients_requests_per_s": round((after_api - before_api) / self.steady, 2),
             "operator_cpu_percent": round(100 * (after_cpu - before_cpu) / self.steady, 2),
             "operator_rss_mb": round(self._op_rss() / 2**20, 1),
-            "job_restarts": self._phases(ns)["restarts"],  # a healthy start restarts nothing
+            "job_restarts": self._restarts(ns),  # a healthy start restarts nothing
             "operator_per_s": counts,  # reconciles, skipped looks and watch events handled, per second
         }  # fmt: skip
         print(json.dumps(out), flush=True)
@@ -422,15 +422,19 @@ class Bench:
             wait(lambda: self.memory.stat().st_size > size + 200, 300, "the operator's memory dump", 1)
         return out
 
+    def _statuses(self, ns: str) -> list[dict]:
+        return [j.get("status") or {} for j in self.custom.list_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL)["items"]]  # fmt: skip
+
     def _phases(self, ns: str) -> dict[str, int]:
-        """Jobs by phase, and under "restarts" the gang restarts of them all (none, when nothing failed)."""
-        items = self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-        out: dict[str, int] = {"restarts": 0}
-        for j in items:
-            phase = (j.get("status") or {}).get("phase", "")
-            out[phase] = out.get(phase, 0) + 1
-            out["restarts"] += (j.get("status") or {}).get("restarts") or 0
+        out: dict[str, int] = {}
+        for status in self._statuses(ns):
+            out[status.get("phase", "")] = out.get(status.get("phase", ""), 0) + 1
         return out
+
+    def _restarts(self, ns: str) -> int:
+        """The gang restarts of every job (none, when nothing failed)."""
+        return sum(status.get("restarts") or 0 for status in self._statuses(ns))
 
     def _metrics(self, url: str) -> list[tuple[str, float]]:
         import urllib.request

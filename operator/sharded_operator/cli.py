@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from sharded_operator.client import Client, Job, JobError
 from sharded_operator.models import GROUP, KIND, VERSION, ShardedTrainingJobSpec
+from sharded_operator.transport import ApiError, ConfigError, Unreachable
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     a.cmd = command
     try:
         return run(a)
-    except (JobError, TimeoutError) as e:
+    except (JobError, TimeoutError, ConfigError, ApiError, Unreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

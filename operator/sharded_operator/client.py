@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.client.rest import ApiException
-
 from sharded_operator.exporting import ExportError, export_pod, location
 from sharded_operator.k8s import Kube, Refused
 from sharded_operator.models import (
@@ -36,6 +34,7 @@ from sharded_operator.models import (
     Phase,
     ShardedTrainingJob,
 )
+from sharded_operator.transport import ApiError
 
 POLL_SECONDS = 1.0
 
@@ -68,7 +67,7 @@ def _of_attempt(pods: list[dict[str, Any]], attempt: int) -> list[dict[str, Any]
     return [p for p in pods if p["metadata"]["labels"].get(LABEL_ATTEMPT) == str(attempt)]
 
 
-def _api_error(e: ApiException, what: str) -> JobError:
+def _api_error(e: ApiError, what: str) -> JobError:
     """The API server's own message (it names the field for a schema or CEL rejection)."""
     try:
         message = json.loads(e.body)["message"]
@@ -85,23 +84,15 @@ class Client:
 
     @classmethod
     def connect(cls, *, kubeconfig: str | None = None, namespace: str | None = None) -> Client:
-        from kubernetes import config
-
         kube = Kube.connect(kubeconfig)
-        if namespace is None:
-            try:
-                _, active = config.list_kube_config_contexts(config_file=kubeconfig)
-                namespace = active["context"].get("namespace")
-            except (config.ConfigException, OSError, TypeError, KeyError):
-                namespace = None
-        return cls(kube, namespace or "default")
+        return cls(kube, namespace or kube.namespace or "default")
 
     def create(self, job: dict[str, Any] | ShardedTrainingJob) -> Job:
         body = job.model_dump(by_alias=True, exclude={"status"}) if isinstance(job, ShardedTrainingJob) else job
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, **body}
         try:
             return Job(ShardedTrainingJob.model_validate(self.kube.create_job(self.namespace, body)))
-        except ApiException as e:
+        except ApiError as e:
             raise _api_error(e, f"creating {body.get('metadata', {}).get('name', '?')}") from e
 
     def get(self, name: str) -> Job:
@@ -123,7 +114,7 @@ class Client:
     def _patch(self, name: str, spec: dict[str, Any]) -> Job:
         try:
             return Job(ShardedTrainingJob.model_validate(self.kube.patch_job_spec(self.namespace, name, spec)))
-        except ApiException as e:
+        except ApiError as e:
             raise _api_error(e, f"updating {name}") from e
 
     def wait(
@@ -191,7 +182,7 @@ class Client:
         """A connection to `port` on the pod's loopback through the API server (see Kube.port_forward)."""
         try:
             return self.kube.port_forward(self.namespace, pod, port)
-        except ApiException as e:
+        except ApiError as e:
             raise _api_error(e, pod) from None
 
     def exec(self, pod: str, command: list[str], out: Callable[[str], Any], err: Callable[[str], Any]) -> int:
@@ -199,7 +190,7 @@ class Client:
         they come; its exit code."""
         try:
             s = self.kube.exec(self.namespace, pod, command, CONTAINER)
-        except ApiException as e:
+        except ApiError as e:
             raise _api_error(e, pod) from None
         try:
             while s.is_open():
@@ -232,7 +223,7 @@ class Client:
             try:
                 for line in self.kube.pod_log_lines(self.namespace, pod["metadata"]["name"], follow=follow, tail=tail):
                     lines.put((node, line))
-            except ApiException as e:
+            except ApiError as e:
                 lines.put((node, f"(log unavailable: {_api_error(e, pod['metadata']['name'])})"))
             finally:
                 lines.put(None)

@@ -28,7 +28,7 @@ from typing import Any
 
 import kopf
 
-from sharded_operator import election, web
+from sharded_operator import election, transport, web
 from sharded_operator.intake import ProgressDesk
 from sharded_operator.k8s import Kube
 from sharded_operator.memory import TRIM_SECONDS, Trimmer
@@ -37,7 +37,7 @@ from sharded_operator.nodewatch import Changes, NodeWatch
 from sharded_operator.progress import REPORT_FIELDS
 from sharded_operator.reconcile import Context, Snapshot, owned, reconcile
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.views import PodView
+from sharded_operator.views import JobView, PodView
 from sharded_operator.workqueue import WorkQueue
 
 # Read once at import: `__main__` needs them before kopf starts.
@@ -62,12 +62,8 @@ def _now() -> dt.datetime:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-async def jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[JobKey, dict[str, Any]] | None:
-    if SETTINGS.ignores(namespace):
-        return None
-    job = dict(body)
-    job["metadata"] = {k: v for k, v in job["metadata"].items() if k != "managedFields"}  # never read; large
-    return {(namespace, name): job}
+async def jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[JobKey, JobView] | None:
+    return None if SETTINGS.ignores(namespace) else {(namespace, name): JobView.from_job(dict(body))}
 
 
 @kopf.index("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
@@ -82,28 +78,28 @@ async def node_jobs(namespace: str, labels: kopf.Labels, spec: kopf.Spec, **_: A
     return {node: (namespace, labels[LABEL_JOB])} if node and not SETTINGS.ignores(namespace) else None
 
 
-def _one(store: Any) -> Any:
-    return next(iter(store), None) if store is not None else None
+def _job(index: kopf.Index, key: JobKey) -> dict[str, Any] | None:
+    """The job as the watch last showed it (the one not being deleted, if two share the name)."""
+    views: list[JobView] = list(index.get(key, ()))
+    return next((v for v in views if not v.deleting), views[0]).body() if views else None
 
 
 def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
     """The job `key` as the indexes show it, with this operator's writes the watch has not shown yet."""
-    bodies = list(index.jobs.get(key, ()))
-    if not bodies:
+    body = _job(index.jobs, key)
+    if body is None:
         return None
-    body = next((b for b in bodies if not b["metadata"].get("deletionTimestamp")), bodies[0])
     uid = body["metadata"]["uid"]
     body = {**body, "status": ctx.recent.status(uid, body.get("status") or {}, owned)}
     pods = ctx.recent.pods(f"{key[0]}/{key[1]}", list(index.job_pods.get(key, ())))
-    views = {n: v for n in {p.node for p in pods if p.node} if (v := index.nodes.get(n)) is not None}
+    nodes = {n: v for n in {p.node for p in pods if p.node} if (v := index.nodes.get(n)) is not None}
     ports: frozenset[int] = frozenset()
     if ((body.get("spec") or {}).get("network") or {}).get("hostNetwork") and "hostPort" not in body["status"]:
         ports = frozenset(
-            port for store in index.jobs.values() for j in store
-            if (port := (j.get("status") or {}).get("hostPort")) is not None
-            and (j.get("status") or {}).get("phase") not in FINISHED
+            j.host_port for store in index.jobs.values() for j in store
+            if j.host_port is not None and j.phase not in FINISHED
         )  # fmt: skip
-    return Snapshot(body=body, pods=pods, nodes=views, host_ports=ports)
+    return Snapshot(body=body, pods=pods, nodes=nodes, host_ports=ports)
 
 
 # --- the loops ---------------------------------------------------------------------------------------
@@ -186,7 +182,7 @@ async def resync(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks,
         if not ctx.leadership.leading(_now()):
             continue
         for key, store in list(index.jobs.items()):
-            if any((b.get("status") or {}).get("phase") not in FINISHED for b in store):
+            if any(j.phase not in FINISHED for j in store):
                 looks.forced.add(key)
                 queue.add(key)
 
@@ -233,6 +229,19 @@ async def flush_progress(desk: ProgressDesk, ctx: Context) -> None:
         await desk.flush()
 
 
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's watches connect with the credentials of the operator's own requests (transport.load); kopf's
+    built-in login would load the `kubernetes` package for it. Renewed as they expire: a ServiceAccount
+    token is read again each minute, as the kubelet rotates it."""
+    c = transport.load()
+    return kopf.ConnectionInfo(
+        server=c.server, ca_data=c.ca, insecure=c.insecure, certificate_data=c.cert, private_key_data=c.key,
+        token=c.token, username=c.username, password=c.password, proxy_url=c.proxy, default_namespace=c.namespace,
+        expiration=dt.datetime.fromtimestamp(c.expires, dt.UTC) if c.expires is not None else None,
+    )  # fmt: skip
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, jobs: kopf.Index,
                   job_pods: kopf.Index, node_jobs: kopf.Index, **_: Any) -> None:  # fmt: skip
@@ -263,7 +272,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     pool = ThreadPoolExecutor(cfg.reconcile_workers, thread_name_prefix="reconcile")
     ctx.creators = ThreadPoolExecutor(2 * cfg.reconcile_workers, thread_name_prefix="create")
     memo.looks = looks = Looks()
-    desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: _one(jobs.get((ns, name))))
+    desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: _job(jobs, (ns, name)))
     memo.runners = [
         await web.start(web.metrics_app(ctx.metrics, ctx.health), cfg.http_host, cfg.http_port),
         await web.start(web.progress_app(desk.take), cfg.http_host, cfg.progress_port),

@@ -6,21 +6,24 @@ import datetime as dt
 import functools
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from kubernetes import client, config
-from kubernetes.client.rest import ApiException
-
 from sharded_operator.models import GROUP, KIND, PLURAL, VERSION, training_pods
+from sharded_operator.transport import ApiError, Transport, load
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _TRANSIENT = {429, 500, 502, 503, 504}
+_JOBS = f"apis/{GROUP}/{VERSION}"
+# The collection each kind of child is created in (a PodGroup's group and version come from the object).
+_RESOURCES = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
+              "PersistentVolumeClaim": "persistentvolumeclaims", "PodGroup": "podgroups"}  # fmt: skip
 
 
 def retrying(fn: Callable[..., T]) -> Callable[..., T]:
@@ -32,10 +35,10 @@ def retrying(fn: Callable[..., T]) -> Callable[..., T]:
         for attempt in range(5):
             try:
                 return fn(*args, **kwargs)
-            except ApiException as e:
+            except ApiError as e:
                 if e.status not in _TRANSIENT or attempt == 4:
                     raise
-            except OSError:  # connection reset / refused while the API server restarts
+            except OSError:  # connection reset / refused while the API server restarts (Unreachable)
                 if attempt == 4:
                     raise
             time.sleep(delay)
@@ -56,18 +59,19 @@ def resource_of(url: str) -> str:
     return f"{rest[0]}/{rest[2]}" if len(rest) > 2 else rest[0]
 
 
-def _drained(response: Any) -> bytes:
-    """The body of a response read without the client's models (`_preload_content=False`), its connection
-    back in the pool."""
-    try:
-        return response.data
-    finally:
-        response.release_conn()
+def path(api: str, namespace: str | None, resource: str, name: str | None = None, sub: str | None = None) -> str:
+    """/api/v1/namespaces/ns/pods/name/log: `api` is "api/v1" or "apis/<group>/<version>"."""
+    parts = [api, *(("namespaces", namespace) if namespace else ()), resource, *((name,) if name else ()),
+             *((sub,) if sub else ())]  # fmt: skip
+    return "/" + "/".join(parts)
+
+
+def _api_of(api_version: str) -> str:
+    return "api/v1" if api_version == "v1" else f"apis/{api_version}"
 
 
 def _lines(response: Any) -> Iterator[bytes]:
-    """A streamed response (`_preload_content=False`) line by line as it arrives, its connection released at
-    the end."""
+    """A streamed response line by line as it arrives, its connection released at the end."""
     try:
         pending = b""
         for chunk in response.stream(65536):
@@ -81,98 +85,108 @@ def _lines(response: Any) -> Iterator[bytes]:
 
 
 class Kube:
-    """Typed access to the objects a job owns. Plain dicts in, plain dicts out. `on_request(method, resource)`
-    is told of every request sent (the operator counts them in its metrics)."""
+    """Typed access to the objects a job owns. Plain dicts in, plain dicts out, as the API server sends them
+    (JSON), through `http` (transport.py)."""
 
-    def __init__(self, api_client: client.ApiClient, on_request: Callable[[str, str], None] | None = None):
-        self.api_client = api_client
-        if on_request is not None:
-            call = api_client.call_api
-
-            def counted(method, url, *args, **kwargs):
-                on_request(method, resource_of(url))
-                return call(method, url, *args, **kwargs)
-
-            api_client.call_api = counted
-        self.core = client.CoreV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
-        self.events = client.EventsV1Api(api_client)
+    def __init__(self, http: Transport, kubeconfig: str | None = None):
+        self.http, self.kubeconfig = http, kubeconfig
 
     @classmethod
     def connect(
         cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None, connections: int = 0
     ) -> Kube:
-        """The in-cluster account, else the kubeconfig. `connections`: how many requests the caller's threads may
-        have in flight at once. The client keeps 5 connections per CPU by default; each request past the pool's
-        size is sent on a connection that is then dropped, and the next one pays for a new TLS handshake."""
-        conf = client.Configuration()
-        try:
-            config.load_incluster_config(client_configuration=conf)
-        except config.ConfigException:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
-        conf.connection_pool_maxsize = max(conf.connection_pool_maxsize, connections)
-        return cls(client.ApiClient(conf), on_request)
+        """The explicit kubeconfig, else the in-cluster account, else $KUBECONFIG. `connections`: how many
+        requests the caller's threads may have in flight at once; `on_request(method, resource)` is told of
+        every request sent (the operator counts them in its metrics)."""
+        counted = None if on_request is None else (lambda method, url: on_request(method, resource_of(url)))
+        return cls(Transport(load(kubeconfig), connections=max(connections, 10), on_request=counted), kubeconfig)
 
-    def _dict(self, obj: Any) -> dict[str, Any]:
-        return self.api_client.sanitize_for_serialization(obj)
+    @property
+    def namespace(self) -> str | None:
+        """The kubeconfig context's namespace, or the pod's own in a cluster."""
+        return self.http.credentials.namespace
 
-    @retrying
-    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def _get(self, url: str, **query: Any) -> dict[str, Any] | None:
+        """The object, None when it does not exist."""
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as e:
+            return self.http.json("GET", url, query=query or None)
+        except ApiError as e:
             if e.status == 404:
                 return None
             raise
 
     @retrying
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get(path(_JOBS, namespace, PLURAL, name))
+
+    @retrying
     def list_jobs(self, namespace: str | None) -> list[dict[str, Any]]:
         """Every job in `namespace`, or in the cluster when it is None."""
-        if namespace is None:
-            return self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
-        return self.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+        return self.http.json("GET", path(_JOBS, namespace, PLURAL))["items"]
 
     def create_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         """Create a job as a user does (never retried: a second create of the same name is an error to show)."""
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+        return self.http.json("POST", path(_JOBS, namespace, PLURAL), body=body)
 
     @retrying
     def patch_job_spec(self, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": spec})
+        return self.http.json("PATCH", path(_JOBS, namespace, PLURAL, name), body={"spec": spec},
+                              content_type="application/merge-patch+json")  # fmt: skip
 
     def pod_log_lines(self, namespace: str, pod: str, *, follow: bool, tail: int | None = None):
         """The pod's container log through the API server (which asks the node's kubelet), line by line;
         with `follow`, until the container ends."""
-        resp = self.core.read_namespaced_pod_log(
-            pod, namespace, follow=follow, tail_lines=tail, _preload_content=False
+        resp = self.http.request(
+            "GET", path("api/v1", namespace, "pods", pod, "log"),
+            query={"follow": "true" if follow else None, "tailLines": tail}, stream=True, timeout=None,
         )  # fmt: skip
         yield from (line.decode(errors="replace") for line in _lines(resp))
+
+    def _streams(self) -> Any:
+        """The `kubernetes` package's client, for the WebSocket streams only (exec, port-forward: the CLI,
+        never the operator)."""
+        from kubernetes import client, config
+
+        if self.kubeconfig is None and self.http.credentials.renew is not None and os.environ.get(
+                "KUBERNETES_SERVICE_HOST"):  # fmt: skip
+            config.load_incluster_config()
+            return client.CoreV1Api()
+        return client.CoreV1Api(config.new_client_from_config(config_file=self.kubeconfig))
 
     def port_forward(self, namespace: str, pod: str, port: int) -> Any:
         """One connection to `port` on the pod's loopback, through the API server's pods/portforward (the
         node's kubelet connects inside the pod's network namespace): `.socket(port)` carries the bytes,
         `.error(port)` says why the pod's side refused or ended."""
+        from kubernetes.client.rest import ApiException
         from kubernetes.stream import portforward
 
-        return portforward(self.core.connect_get_namespaced_pod_portforward, pod, namespace, ports=str(port))
+        try:
+            return portforward(self._streams().connect_get_namespaced_pod_portforward, pod, namespace,
+                               ports=str(port))  # fmt: skip
+        except ApiException as e:
+            raise ApiError(e.status or 0, e.reason or "", e.body or "") from None
 
     def exec(self, namespace: str, pod: str, command: list[str], container: str) -> Any:
         """A command started in the pod's container through the API server's pods/exec: a stream whose
         stdout and stderr the caller reads as they come and whose `.returncode` is the command's exit."""
+        from kubernetes.client.rest import ApiException
         from kubernetes.stream import stream
 
         # v4, the protocol every kubelet speaks: offered v5, an API server may translate the stream to SPDY
         # towards the kubelet instead of passing the WebSocket through.
-        return stream(
-            self.core.connect_get_namespaced_pod_exec, pod, namespace, container=container, command=command,
-            stdin=False, stdout=True, stderr=True, tty=False, _preload_content=False,
-            _headers={"sec-websocket-protocol": "v4.channel.k8s.io"},
-        )  # fmt: skip
+        try:
+            return stream(
+                self._streams().connect_get_namespaced_pod_exec, pod, namespace, container=container,
+                command=command, stdin=False, stdout=True, stderr=True, tty=False, _preload_content=False,
+                _headers={"sec-websocket-protocol": "v4.channel.k8s.io"},
+            )  # fmt: skip
+        except ApiException as e:
+            raise ApiError(e.status or 0, e.reason or "", e.body or "") from None
 
     @retrying
     def host_ports_in_use(self) -> list[int | None]:
         """`status.hostPort` of every job in the cluster that has not finished."""
-        jobs = self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        jobs = self.list_jobs(None)
         return [
             (j.get("status") or {}).get("hostPort") for j in jobs
             if (j.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
@@ -181,14 +195,13 @@ class Kube:
     @retrying
     def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """The job's training pods (each has a node index), not its rendezvous store pod."""
-        pods = self.core.list_namespaced_pod(namespace, label_selector=training_pods(job))
-        return [self._dict(p) for p in pods.items]
+        return self.http.json("GET", path("api/v1", namespace, "pods"), query={"labelSelector": training_pods(job)})[
+            "items"]  # fmt: skip
 
     @retrying
     def list_nodes(self) -> tuple[list[dict[str, Any]], str]:
-        """Every node (read as JSON: a thousand nodes through the client's models cost seconds of CPU) and the
-        list's resourceVersion, from which a watch misses nothing."""
-        body = json.loads(_drained(self.core.list_node(_preload_content=False)))
+        """Every node and the list's resourceVersion, from which a watch misses nothing."""
+        body = self.http.json("GET", "/api/v1/nodes")
         return body["items"], body["metadata"]["resourceVersion"]
 
     def watch_nodes(self, resource_version: str, timeout_seconds: int) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -196,13 +209,14 @@ class Kube:
         object carries only a newer version), until the API server ends the watch after `timeout_seconds`.
         Raises Expired when the version is older than the API server keeps: list again."""
         try:
-            resp = self.core.list_node(
-                watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
-                timeout_seconds=timeout_seconds, _request_timeout=timeout_seconds + 60, _preload_content=False,
+            resp = self.http.request(
+                "GET", "/api/v1/nodes", stream=True, timeout=timeout_seconds + 60,
+                query={"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
+                       "timeoutSeconds": timeout_seconds},
             )  # fmt: skip
-        except ApiException as e:  # some API servers refuse the request itself rather than send an ERROR event
+        except ApiError as e:  # some API servers refuse the request itself rather than send an ERROR event
             if e.status == 410:
-                raise Expired(str(e.reason)) from e
+                raise Expired(e.reason) from e
             raise
         for line in _lines(resp):
             if not line.strip():
@@ -217,7 +231,7 @@ class Kube:
                 status = event.get("object") or {}
                 if status.get("code") == 410:
                     raise Expired(status.get("message", "resource version too old"))
-                raise ApiException(status=status.get("code"), reason=status.get("message"))
+                raise ApiError(status.get("code") or 0, str(status.get("message", "")))
             yield event.get("type"), event["object"]
 
     @retrying
@@ -225,19 +239,11 @@ class Kube:
         """Create `obj` and return it as created (a pod with its UID); an existing object of that name is
         success too (returns None)."""
         kind = obj["kind"]
-        core = {
-            "Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
-            "ConfigMap": self.core.create_namespaced_config_map,
-            "PersistentVolumeClaim": self.core.create_namespaced_persistent_volume_claim,
-        }  # fmt: skip
+        if kind not in _RESOURCES:
+            raise ValueError(f"unsupported kind {kind}")
         try:
-            if kind in core:  # read as JSON: the client's model objects cost more CPU than the request
-                return json.loads(_drained(core[kind](namespace, obj, _preload_content=False)))
-            if kind != "PodGroup":
-                raise ValueError(f"unsupported kind {kind}")
-            group, version = obj["apiVersion"].split("/")
-            self.custom.create_namespaced_custom_object(group, version, namespace, "podgroups", obj)
-        except ApiException as e:
+            return self.http.json("POST", path(_api_of(obj["apiVersion"]), namespace, _RESOURCES[kind]), body=obj)
+        except ApiError as e:
             if e.status == 409:
                 return None
             if e.status == 404 and kind == "PodGroup":
@@ -245,32 +251,25 @@ class Kube:
             if e.status in (400, 403, 422):  # admission said no: a policy, a quota or an invalid object
                 raise Refused.from_api(kind, obj["metadata"]["name"], e) from e
             raise
-        return obj
 
     @retrying
     def read_meta(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The metadata of the existing object named like `obj` (a Service, ConfigMap or claim); None if gone."""
-        read = {
-            "Service": self.core.read_namespaced_service, "ConfigMap": self.core.read_namespaced_config_map,
-            "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim,
-        }  # fmt: skip
-        try:
-            return self._dict(read[obj["kind"]](obj["metadata"]["name"], namespace))["metadata"]
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        found = self._get(path("api/v1", namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"]))
+        return None if found is None else found["metadata"]
 
     @retrying
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None, uid: str | None = None) -> None:
         """Delete the pod; with `uid`, only that pod: a newer one created under the name since (the next
         attempt's, say) is left alone (the API server answers 409)."""
-        options = client.V1DeleteOptions(
-            grace_period_seconds=grace_seconds, preconditions=client.V1Preconditions(uid=uid) if uid else None
-        )
+        options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if grace_seconds is not None:
+            options["gracePeriodSeconds"] = grace_seconds
+        if uid:
+            options["preconditions"] = {"uid": uid}
         try:
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds, body=options)
-        except ApiException as e:
+            self.http.send("DELETE", path("api/v1", namespace, "pods", name), body=options)
+        except ApiError as e:
             if e.status not in (404, 409) or (e.status == 409 and not uid):
                 raise
 
@@ -292,10 +291,9 @@ class Kube:
                 elif status[key] != before.get(key):
                     ops.append({"op": "add", "path": f"/status/{key}", "value": status[key]})
         try:
-            self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, ops, _content_type="application/json-patch+json"
-            )
-        except ApiException as e:
+            self.http.send("PATCH", path(_JOBS, namespace, PLURAL, name, "status"), body=ops,
+                           content_type="application/json-patch+json")  # fmt: skip
+        except ApiError as e:
             if e.status in (404, 409, 422):
                 return False
             raise
@@ -307,10 +305,9 @@ class Kube:
         the job changed since (read it again and merge anew) or is gone."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": fields}
         try:
-            self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, body, _content_type="application/merge-patch+json"
-            )
-        except ApiException as e:
+            self.http.send("PATCH", path(_JOBS, namespace, PLURAL, name, "status"), body=body,
+                           content_type="application/merge-patch+json")  # fmt: skip
+        except ApiError as e:
             if e.status in (404, 409):
                 return False
             raise
@@ -321,13 +318,8 @@ class Kube:
     ) -> bool:
         """Acquire or renew a Lease: `spec_for(current spec or None)` gives the spec to write, or None to
         leave it; written only over the version read (a replica that raced us wins). True if written."""
-        coordination = client.CoordinationV1Api(self.api_client)
-        try:
-            current = self._dict(coordination.read_namespaced_lease(name, namespace))
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            current = None
+        leases = path("apis/coordination.k8s.io/v1", namespace, "leases")
+        current = self._get(f"{leases}/{name}")
         spec = spec_for(current.get("spec") if current else None)
         if spec is None:
             return False
@@ -335,11 +327,10 @@ class Kube:
             if current is None:
                 body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                         "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
-                coordination.create_namespaced_lease(namespace, body)
+                self.http.send("POST", leases, body=body)
             else:
-                current["spec"] = spec
-                coordination.replace_namespaced_lease(name, namespace, current)
-        except ApiException as e:
+                self.http.send("PUT", f"{leases}/{name}", body={**current, "spec": spec})
+        except ApiError as e:
             if e.status == 409:
                 return False
             raise
@@ -350,25 +341,18 @@ class Kube:
         """The API server's verdict on a token for `audience` (TokenReview status)."""
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                 "spec": {"token": token, "audiences": [audience]}}  # fmt: skip
-        review = client.AuthenticationV1Api(self.api_client).create_token_review(body)
-        return self._dict(review).get("status") or {}
+        review = self.http.json("POST", "/apis/authentication.k8s.io/v1/tokenreviews", body=body)
+        return review.get("status") or {}
 
     @retrying
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self._dict(self.core.read_namespaced_pod(name, namespace))
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return self._get(path("api/v1", namespace, "pods", name))
 
     @retrying
     def delete_job(self, namespace: str, name: str) -> None:
         try:
-            self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background"
-            )
-        except ApiException as e:
+            self.http.send("DELETE", path(_JOBS, namespace, PLURAL, name), query={"propagationPolicy": "Background"})
+        except ApiError as e:
             if e.status != 404:
                 raise
 
@@ -378,7 +362,7 @@ class Kube:
         a reconcile whose status, which the event only echoes, is already written."""
         try:
             self._create_event(job, type_, reason, message)
-        except ApiException as e:
+        except ApiError as e:
             meta = job["metadata"]
             logger.warning("event %s on %s/%s dropped: %s %s", reason, meta["namespace"], meta["name"], e.status,
                            e.reason)  # fmt: skip
@@ -401,7 +385,7 @@ class Kube:
                 "namespace": meta["namespace"], "uid": meta["uid"],
             },
         }  # fmt: skip
-        _drained(self.events.create_namespaced_event(meta["namespace"], body, _preload_content=False))
+        self.http.send("POST", path("apis/events.k8s.io/v1", meta["namespace"], "events"), body=body)
 
 
 class Expired(RuntimeError):
@@ -425,7 +409,7 @@ class Refused(RuntimeError):
         self.kind, self.name, self.reason, self.message = kind, name, reason, message
 
     @classmethod
-    def from_api(cls, kind: str, name: str, e: ApiException) -> Refused:
+    def from_api(cls, kind: str, name: str, e: ApiError) -> Refused:
         try:
             status = json.loads(e.body or "{}")
         except ValueError:

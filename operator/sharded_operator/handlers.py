@@ -232,13 +232,13 @@ async def flush_progress(desk: ProgressDesk, ctx: Context) -> None:
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
     """kopf's watches connect with the credentials of the operator's own requests (transport.load); kopf's
-    built-in login would load the `kubernetes` package for it. Renewed as they expire: a ServiceAccount
-    token is read again each minute, as the kubelet rotates it."""
+    built-in login would load the `kubernetes` package for it. No expiration is given: when the API server
+    refuses a token (rotated by the kubelet, an exec plugin's expired), kopf logs in again, which reads it
+    anew, rather than reopening its watches each minute."""
     c = transport.load()
     return kopf.ConnectionInfo(
         server=c.server, ca_data=c.ca, insecure=c.insecure, certificate_data=c.cert, private_key_data=c.key,
         token=c.token, username=c.username, password=c.password, proxy_url=c.proxy, default_namespace=c.namespace,
-        expiration=dt.datetime.fromtimestamp(c.expires, dt.UTC) if c.expires is not None else None,
     )  # fmt: skip
 
 

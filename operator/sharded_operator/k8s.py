@@ -6,7 +6,6 @@ import datetime as dt
 import functools
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,7 +13,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from sharded_operator.models import GROUP, KIND, PLURAL, VERSION, training_pods
-from sharded_operator.transport import ApiError, Transport, load
+from sharded_operator.transport import ApiError, Transport, in_a_cluster, load
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +146,7 @@ class Kube:
         never the operator)."""
         from kubernetes import client, config
 
-        if self.kubeconfig is None and self.http.credentials.renew is not None and os.environ.get(
-                "KUBERNETES_SERVICE_HOST"):  # fmt: skip
+        if in_a_cluster(self.kubeconfig):
             config.load_incluster_config()
             return client.CoreV1Api()
         return client.CoreV1Api(config.new_client_from_config(config_file=self.kubeconfig))

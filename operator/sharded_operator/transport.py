@@ -95,12 +95,18 @@ class Credentials:
 def load(kubeconfig: str | None = None) -> Credentials:
     """An explicit kubeconfig; else the pod's ServiceAccount when running in a cluster; else $KUBECONFIG or
     ~/.kube/config, as kubectl reads them."""
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST") and (SERVICE_ACCOUNT / "token").exists():
+    if in_a_cluster(kubeconfig):
         return in_cluster()
     if kubeconfig is None:
         kubeconfig = os.environ.get("KUBECONFIG") or str(Path("~/.kube/config").expanduser())
     paths = [Path(p).expanduser() for p in kubeconfig.split(os.pathsep) if p]
     return from_kubeconfig(paths)
+
+
+def in_a_cluster(kubeconfig: str | None) -> bool:
+    """Whether `load(kubeconfig)` takes the pod's ServiceAccount."""
+    return kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and (
+        SERVICE_ACCOUNT / "token").exists()  # fmt: skip
 
 
 def in_cluster() -> Credentials:
@@ -251,10 +257,15 @@ class Transport:
         self._use(credentials)
 
     def _use(self, credentials: Credentials) -> None:
-        context = credentials.ssl_context() if credentials.server.startswith("https:") else None
-        kw: dict[str, Any] = {"maxsize": self.connections, "ssl_context": context, "retries": False}
-        pool = urllib3.ProxyManager(credentials.proxy, **kw) if credentials.proxy else urllib3.PoolManager(**kw)
-        self.credentials, self.pool = credentials, pool
+        """Send with `credentials` from now on. The connections stay open unless what they were made with
+        changed: a token read again each minute must not cost every thread a new TLS handshake."""
+        old = getattr(self, "credentials", None)
+        if old is None or _connection(old) != _connection(credentials):
+            context = credentials.ssl_context() if credentials.server.startswith("https:") else None
+            kw: dict[str, Any] = {"maxsize": self.connections, "ssl_context": context, "retries": False}
+            proxy = credentials.proxy
+            self.pool = urllib3.ProxyManager(proxy, **kw) if proxy else urllib3.PoolManager(**kw)
+        self.credentials = credentials
 
     def _current(self, stale: Credentials | None = None) -> Credentials:
         """The credentials to send with, renewed when they expire (or were refused: `stale`)."""
@@ -303,6 +314,11 @@ class Transport:
 
     def json(self, method: str, path: str, **kw: Any) -> Any:
         return json.loads(_drained(self.request(method, path, **kw)) or b"null")
+
+
+def _connection(c: Credentials) -> tuple[Any, ...]:
+    """What a connection is made with (the rest goes in each request's headers)."""
+    return c.server, c.ca, c.insecure, c.cert, c.key, c.proxy
 
 
 def _drained(response: urllib3.BaseHTTPResponse) -> bytes:

@@ -170,9 +170,11 @@ def test_a_token_refused_is_read_again_once_and_the_request_sent_again(api, tmp_
     sent = []
     kube = Kube(Transport(transport.load(str(path)), on_request=lambda m, p: sent.append((m, p))))
     token.write_text("new\n")  # rotated before the first request
+    pool = kube.http.pool
     api.script = [(401, {"message": "Unauthorized"}), (200, {"metadata": {"name": "p"}})]
     assert kube.get_pod("ns", "p") == {"metadata": {"name": "p"}}
     assert [s[2] for s in api.seen] == ["Bearer old", "Bearer new"]
+    assert kube.http.pool is pool  # a new token keeps the open connections
     assert sent == [("GET", "/api/v1/namespaces/ns/pods/p")] * 2
     api.script = [(401, {"message": "Unauthorized"}), (401, {"message": "Unauthorized"})]
     with pytest.raises(ApiError) as e:  # refused with the fresh token too: said, not looped on

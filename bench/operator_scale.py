@@ -545,10 +545,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-grace", type=float, default=600.0,
                     help="seconds without a heartbeat before a node is NotReady (0: the controller-manager's 50 s)")
     ap.add_argument("--plot", type=Path, help="draw the results (of --out, or --replot's file) into this PNG")
-    ap.add_argument("--replot", type=Path, help="a results file to plot, without running anything")
+    ap.add_argument("--replot", type=Path, nargs="+",
+                    help="results files to plot together (the arms of later files added to the first's), without "
+                         "running anything")
     args = ap.parse_args(argv)
     if args.replot:
-        plot(json.loads(args.replot.read_text()), args.plot)
+        merged = json.loads(args.replot[0].read_text())
+        for more in args.replot[1:]:
+            merged["arms"].update(json.loads(more.read_text())["arms"])
+        plot(merged, args.plot)
         return 0
     arms = args.arms.split(",")
     results: dict = {"command": " ".join(["bench/operator_scale.py", *(argv or sys.argv[1:])]), "nodes": args.nodes,

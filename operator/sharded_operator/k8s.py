@@ -137,7 +137,7 @@ class Kube:
         with `follow`, until the container ends."""
         resp = self.http.request(
             "GET", path("api/v1", namespace, "pods", pod, "log"),
-            query={"follow": "true" if follow else None, "tailLines": tail}, stream=True, timeout=None,
+            query={"follow": "true" if follow else None, "tailLines": tail}, timeout=None,
         )  # fmt: skip
         yield from (line.decode(errors="replace") for line in _lines(resp))
 
@@ -208,7 +208,7 @@ class Kube:
         Raises Expired when the version is older than the API server keeps: list again."""
         try:
             resp = self.http.request(
-                "GET", "/api/v1/nodes", stream=True, timeout=timeout_seconds + 60,
+                "GET", "/api/v1/nodes", timeout=timeout_seconds + 60,
                 query={"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                        "timeoutSeconds": timeout_seconds},
             )  # fmt: skip

@@ -278,10 +278,11 @@ class Transport:
 
     def request(
         self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
-        content_type: str = "application/json", stream: bool = False, timeout: float | None = -1,
+        content_type: str = "application/json", timeout: float | None = -1,
     ) -> urllib3.BaseHTTPResponse:
-        """The response (unread when `stream`; release its connection when done). Raises ApiError for an
-        error status, Unreachable when no answer came. `timeout`: seconds to wait for each read, None for ever."""
+        """The response, its body unread (read it as it streams, or whole with `json`/`send`; its connection
+        goes back to the pool once read). Raises ApiError for an error status, Unreachable when no answer
+        came. `timeout`: seconds to wait for each read (-1: the transport's), None for ever."""
         url = path + ("?" + urlencode({k: v for k, v in query.items() if v is not None}) if query else "")
         data = None if body is None else json.dumps(body).encode()
         read = self.timeout if timeout == -1 else timeout

@@ -102,6 +102,22 @@ def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
     return Snapshot(body=body, pods=pods, nodes=nodes, host_ports=ports)
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No last-handled state. kopf builds one for every event of every watched object (a deep copy of the
+    body, status included) to give on.create/on.update handlers their diffs; this operator has none (its
+    handlers are events and indexes), and the copies were a fifth of its CPU while 1,000 jobs started at
+    once. Nothing is stored, so nothing is written to the objects either."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return kopf.BodyEssence()
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        pass
+
+
 # --- the loops ---------------------------------------------------------------------------------------
 
 
@@ -251,6 +267,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     # events a minute in a large cluster). kopf's warnings and errors still show.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = 300
     # Only pods with a job's name label reach the operator: the API server selects them.
     settings.watching.label_selectors["v1", "pods"] = LABEL_JOB

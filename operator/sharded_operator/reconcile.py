@@ -154,10 +154,8 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
             try:
                 # The pods would mount or resolve another job's objects while it is held.
                 held = _ensure_children(ctx, decided, body)
-                pods = [] if held else [
-                    adopt(builders.build_pod(decided, index, plan.status.attempt, ctx.settings), body)
-                    for index in plan.create
-                ]  # fmt: skip
+                built = [] if held else builders.build_pods(decided, plan.create, plan.status.attempt, ctx.settings)
+                pods = [adopt(pod, body) for pod in built]
                 if plan.create_store and not held:  # first: the training pods' rendezvous needs it
                     pods.insert(0, adopt(builders.build_store_pod(decided, ctx.settings), body))
                 for created in _create_pods(ctx, namespace, pods):

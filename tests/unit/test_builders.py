@@ -402,3 +402,14 @@ def test_a_hugging_face_export_pod_mounts_the_model_again_and_writes_a_directory
     assert {v["name"] for v in pod["spec"]["volumes"]} == {"trainer-config", "checkpoints", "models"}
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     assert location(pod, 40) == "ft-checkpoints:ft/exports/step-00000040"
+
+
+def test_the_pods_of_an_attempt_built_at_once_are_those_built_one_by_one():
+    job = make_job("llm", "team").nodes(4).gpus(8).model()
+    pods = builders.build_pods(job, [3, 1], attempt=2, settings=SETTINGS)
+    assert pods == [builders.build_pod(job, i, attempt=2, settings=SETTINGS) for i in (3, 1)]
+    edited = make_job("llm", "team").nodes(4).gpus(8).model()
+    edited.spec.trainer.steps += 1  # another trainer config: another ConfigMap, named by its digest
+    volumes = [{v["name"]: v for v in p["spec"]["volumes"]}["trainer-config"] for p in pods]
+    assert volumes == [{"name": "trainer-config", "configMap": {"name": builders.config_map_name(job)}}] * 2
+    assert builders.build_pods(edited, [0], 2, SETTINGS)[0]["spec"]["volumes"] != pods[0]["spec"]["volumes"]

@@ -41,11 +41,13 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -213,6 +215,79 @@ def summary(arm: str, submitted: dict[str, float], seen: dict[str, float], cpu: 
     return out
 
 
+def py_spy_top(raw: str, lines: int = 60) -> str:
+    """py-spy's raw (collapsed) stacks summed per function: the share of samples with it on the stack
+    (cumulative) and as the innermost frame (self), highest first."""
+    cum: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        names = [f.split(":")[0] + ")" if " (" in f else f for f in frames]  # the function, not the line
+        for name in set(names):
+            cum[name] = cum.get(name, 0) + n
+        own[names[-1]] = own.get(names[-1], 0) + n
+    out = [f"{total} samples", "", "cumulative %  function (file)"]
+    for title, counts in (("", cum), ("self %  function (file)", own)):
+        if title:
+            out += ["", title]
+        top = sorted(counts.items(), key=lambda kv: -kv[1])[:lines]
+        out += [f"{100 * v / max(total, 1):6.1f}  {k}" for k, v in top]
+    return "\n".join(out) + "\n"
+
+
+class GoProfiles:
+    """With --profile, CPU profiles of the control plane's Go processes over an arm: pprof's
+    /debug/pprof/profile on each one's HTTPS port, as the cluster's admin, in back-to-back windows of
+    `WINDOW` seconds while the arm runs (the last one runs up to a window past its end). `stop()` writes
+    `go tool pprof -top` of each process's windows, flat and cumulative, to `<arm>-<process>.txt`."""
+
+    WINDOW = 10
+    NAMES = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
+
+    def __init__(self, cluster: localcluster.LocalCluster, out: Path, arm: str):
+        self.cluster, self.out, self.arm = cluster, out, arm
+        self.done = threading.Event()
+        self.files: dict[str, list[Path]] = {name: [] for name in self.NAMES}
+        pki = cluster.workdir / "pki"
+        self.tls = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        self.tls.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        # The scheduler and controller-manager serve a certificate they made themselves, for themselves.
+        self.tls.check_hostname, self.tls.verify_mode = False, ssl.CERT_NONE
+        self.threads = [threading.Thread(target=self._loop, args=(n,), daemon=True) for n in self.NAMES]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, name: str) -> None:
+        url = f"https://{localcluster.HOST}:{self.cluster.secure_port(name)}/debug/pprof/profile?seconds={self.WINDOW}"
+        while not self.done.is_set():
+            path = self.out / f"{self.arm}-{name}-{len(self.files[name]):03d}.pb.gz"
+            try:
+                with urllib.request.urlopen(url, context=self.tls, timeout=self.WINDOW + 30) as resp:
+                    path.write_bytes(resp.read())
+                self.files[name].append(path)
+            except OSError as e:
+                print(f"[bench] {name}'s profile: {e}", flush=True)
+                self.done.wait(self.WINDOW)
+
+    def stop(self) -> None:
+        self.done.set()
+        for t in self.threads:
+            t.join(self.WINDOW + 40)
+        go = shutil.which("go")
+        for name, files in self.files.items():
+            if not (go and files):
+                print(f"[bench] no {name} profile summary (go on PATH: {bool(go)}, windows: {len(files)})")
+                continue
+            views = [subprocess.run([go, "tool", "pprof", "-top", *cum, "-nodecount=40", *map(str, files)],
+                                    capture_output=True, text=True).stdout for cum in ([], ["-cum"])]  # fmt: skip
+            (self.out / f"{self.arm}-{name}.txt").write_text("\n".join(views))
+
+
 class CpuMeter:
     """CPU seconds used by each process of the stack (and the machine's busy share) between start and read:
     where the cores went during an arm."""
@@ -318,7 +393,7 @@ class Bench:
                 self.create(ns, obj)
 
         futures = []
-        meter = self.meter()
+        meter, profiles = self.meter(), self.go_profiles(arm)
         start = time.monotonic()
         for i, name in enumerate(names):
             if paced:
@@ -331,7 +406,10 @@ class Bench:
         for f in futures:
             f.result()
         wait(lambda: self.watch.count(ns)[0] >= self.jobs * PODS_PER_JOB, 900, "every raw pod seen", 0.2)
-        return summary(arm, submitted, self.watch.times(ns), meter.read())
+        cpu = meter.read()
+        if profiles:
+            profiles.stop()
+        return summary(arm, submitted, self.watch.times(ns), cpu)
 
     def create_jobs(self, ns: str, names: list[str], submitted: dict[str, float], paced: bool) -> None:
         def send(name: str) -> None:
@@ -354,7 +432,8 @@ class Bench:
         marks = [c for c in CHECKPOINTS if c < self.jobs] + [self.jobs] if paced else [self.jobs]
         done = 0
         for mark in marks:
-            meter, sampler = self.meter(), self.sample(f"operator-{'paced' if paced else 'burst'}-{mark}")
+            name = f"operator-{'paced' if paced else 'burst'}-{mark}"
+            meter, sampler, profiles = self.meter(), self.sample(name), self.go_profiles(name)
             self.create_jobs(ns, names[done:mark], submitted, paced)
             window, done = names[done:mark], mark
             wait(lambda m=mark: self.watch.count(ns)[0] >= m * PODS_PER_JOB, 900, "every pod seen", 0.2)
@@ -362,6 +441,10 @@ class Bench:
             if sampler:
                 sampler.send_signal(signal.SIGINT)  # py-spy writes what it sampled when interrupted
                 sampler.wait(60)
+                if (raw := self.profile / f"{name}.txt").exists():
+                    (self.profile / f"{name}-top.txt").write_text(py_spy_top(raw.read_text()))
+            if profiles:
+                profiles.stop()
             # Paced: the arrivals pause for each steady state; the span of all arrivals includes the pauses,
             # so pods/s is not comparable there (latency is).
             result = summary(f"operator-{'paced' if paced else 'burst'}", submitted, self.watch.times(ns), cpu)
@@ -383,10 +466,16 @@ class Bench:
             return None
         return subprocess.Popen(self.py_spy(name), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+    def go_profiles(self, arm: str) -> GoProfiles | None:
+        """With --profile, the control plane's CPU profiles while the arm runs."""
+        return GoProfiles(self.cluster, self.profile, arm) if self.profile else None
+
     def py_spy(self, name: str, *extra: str) -> list[str]:
-        """py-spy recording the operator's stacks into the --profile folder's `name`.txt."""
+        """py-spy recording the operator's stacks into the --profile folder's `name`.txt: only the thread
+        holding the GIL, so that the samples are the operator's CPU (threads waiting on a socket or for the GIL
+        would count as busy otherwise)."""
         assert self.profile and self.operator and self.operator.proc
-        return [self.profile_tool, "record", "-p", str(self.operator.proc.pid), "-f", "raw",
+        return [self.profile_tool, "record", "--gil", "-p", str(self.operator.proc.pid), "-f", "raw",
                 "-o", str(self.profile / f"{name}.txt"), *extra]  # fmt: skip
 
     # --- the steady state -------------------------------------------------------------------------
@@ -534,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="raw-burst,operator-burst,operator-paced,raw-paced")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--profile", type=Path,
-                    help="a folder: py-spy (on PATH) samples the operator while jobs start and in each steady state")
+                    help="a folder: py-spy (on PATH) samples the operator while jobs start and in each steady state; "
+                         "pprof profiles the API server, scheduler and controller-manager in each arm (go on PATH "
+                         "summarises them)")
     ap.add_argument("--tracemalloc", type=Path,
                     help="a file: the operator runs under tracemalloc and writes where its memory is in each steady "
                          "state (slower: not for the timings)")

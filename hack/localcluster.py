@@ -204,6 +204,12 @@ class LocalCluster:
             "--leader-elect=false",
         ]
 
+    def secure_port(self, name: str) -> int:
+        """The HTTPS port a control-plane component serves its health, metrics and /debug/pprof on."""
+        if name == "kube-apiserver":
+            return self.api_port
+        return int(next(a.split("=", 1)[1] for a in self.procs[name].args if a.startswith("--secure-port=")))
+
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         # A session of its own, so stop() can kill the whole process group even if we die first.

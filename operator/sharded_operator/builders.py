@@ -383,8 +383,8 @@ def build_pod(job: ShardedTrainingJob, index: int, attempt: int, settings: Opera
 
 def build_pods(job: ShardedTrainingJob, indexes: Iterable[int], attempt: int,
                settings: OperatorSettings) -> list[dict[str, Any]]:  # fmt: skip
-    """The training pods `indexes` of attempt `attempt` (the config's digest, which their volume names, is
-    rendered once for all of them)."""
+    """The training pods `indexes` of attempt `attempt`. The name of the ConfigMap they mount carries the
+    trainer config's digest: rendered once for all of them, not once a pod."""
     config_map = config_map_name(job)
     return [_pod(job, index, attempt, settings, config_map) for index in indexes]
 

@@ -253,9 +253,7 @@ class GoProfiles:
         self.cluster, self.out, self.arm = cluster, out, arm
         self.done = threading.Event()
         self.files: dict[str, list[Path]] = {name: [] for name in self.NAMES}
-        pki = cluster.workdir / "pki"
-        self.tls = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-        self.tls.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        self.tls = cluster.admin_tls()
         # The scheduler and controller-manager serve a certificate they made themselves, for themselves.
         self.tls.check_hostname, self.tls.verify_mode = False, ssl.CERT_NONE
         self.threads = [threading.Thread(target=self._loop, args=(n,), daemon=True) for n in self.NAMES]

@@ -331,10 +331,15 @@ class LocalCluster:
             raise
         return self
 
-    def api(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json") -> dict:
-        """One JSON request to the API server as the cluster admin (PATCH: pass a patch content type)."""
+    def admin_tls(self) -> ssl.SSLContext:
+        """TLS as the cluster admin (its client certificate), trusting the cluster's CA."""
         ctx = ssl.create_default_context(cafile=str(self.workdir / "pki" / "ca.crt"))
         ctx.load_cert_chain(self.workdir / "pki" / "admin.crt", self.workdir / "pki" / "admin.key")
+        return ctx
+
+    def api(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json") -> dict:
+        """One JSON request to the API server as the cluster admin (PATCH: pass a patch content type)."""
+        ctx = self.admin_tls()
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
             self.server + path, data=data, method=method, headers={"Content-Type": content_type}

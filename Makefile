@@ -45,7 +45,9 @@ lock:
 crds: setup
 	@$(PY) -m sharded_operator.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml
 	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/files/crds/
-	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml"
+	@$(PY) -c 'import sys; from sharded_operator import overrides; sys.stdout.write(overrides.render())' \
+	  > charts/sharded-training-operator/files/pod-overrides.yaml
+	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml, charts/sharded-training-operator/files/pod-overrides.yaml"
 
 # On a new machine the control plane compiles (CPU-bound) while the Python set-up and the images download
 # and install (network and disk): side by side they take the longer of the two, not the sum.

@@ -292,7 +292,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: _job(jobs, (ns, name)))
     memo.runners = [
         await web.start(web.metrics_app(ctx.metrics, ctx.health), cfg.http_host, cfg.http_port),
-        await web.start(web.progress_app(desk.take), cfg.http_host, cfg.progress_port),
+        await web.start(web.progress_app(desk.take, guard=(guard := web.ConnectionGuard())), cfg.http_host,
+                        cfg.progress_port, guard),
     ]
     memo.tasks = [
         asyncio.create_task(resync(ctx, queue, memo.index, looks, cfg.resync_seconds)),

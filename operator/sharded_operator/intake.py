@@ -1,13 +1,14 @@
 """Progress reports, taken: authenticate, validate, rate-limit, and write them into the job's status.
 
 A report is taken only from a live pod of the job's current attempt (the checks: `progress`): its Bearer
-token is verified by a TokenReview (junk is refused before any API call, and verifications are
-rate-limited), its body by the contract's `ProgressReport`, each pod is rate-limited, and the accepted
-report is written into the job's status by whichever replica took it, at most once per
-`progressWriteSeconds` per job so the API server sees a bounded write rate (a report with a new trainer
-event, or of the last step, at once). Nothing that matters is held
-only in memory, and what is held (caches, rate limits, the newest report per job awaiting its write) is
-keyed by verified senders and pruned, so memory is bounded by the live jobs whatever is posted.
+token is verified offline against the cluster's service-account issuer keys (`issuer`), so forged tokens
+cost no API call and cannot crowd out a real pod (only where the API server publishes no keys does a
+rate-limited TokenReview verify it, junk refused before), its body by the contract's `ProgressReport`,
+each pod is rate-limited, and the accepted report is written into the job's status by whichever replica
+took it, at most once per `progressWriteSeconds` per job so the API server sees a bounded write rate (a
+report with a new trainer event, or of the last step, at once). Nothing that matters is held only in
+memory, and what is held (caches, rate limits, the newest report per job awaiting its write) is keyed by
+verified senders and pruned, so memory is bounded by the live jobs whatever is posted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sharded_operator.issuer import IssuerKeys, key_id
 from sharded_operator.k8s import Kube
 from sharded_operator.models import ShardedTrainingJobStatus
 from sharded_operator.progress import (
@@ -104,7 +106,10 @@ class ProgressDesk:
                  cached: Callable[[str, str], dict[str, Any] | None] = lambda namespace, name: None):  # fmt: skip
         self.kube, self.settings, self.metrics, self.clock, self.wall = kube, settings, metrics, clock, wall
         self.cached = cached  # the job as the watch last showed it: a write tries that version first
-        self.reviews = TTLCache(4096, 60, clock)  # token digest -> Sender or Refusal
+        self.issuer = IssuerKeys(kube.issuer_discovery, kube.issuer_keys, clock)
+        self._refreshing = asyncio.Lock()
+        self.verified = TTLCache(4096, 60, clock)  # token digest -> the Sender it proved
+        self.reviews = TTLCache(4096, 60, clock)  # token digest -> Sender or Refusal (TokenReview only)
         self.pods = TTLCache(4096, 5, clock)  # pod uid -> the pod as last read
         self.review_budget = Bucket(settings.token_reviews_per_second, settings.token_reviews_per_second * 2, clock)
         self.per_pod: dict[str, tuple[float, Bucket]] = {}  # verified pod uid -> (last used, its bucket)
@@ -139,8 +144,24 @@ class ProgressDesk:
 
     async def _sender(self, authorization: str | None) -> Sender:
         token = bearer(authorization)
-        precheck(token, self.settings.progress_audience, self.wall())
         key = hashlib.sha256(token.encode()).hexdigest()
+        if (known := self.verified.get(key)) is not None:
+            return known
+        kid = key_id(token)
+        if self.issuer.wants_refresh(kid):
+            async with self._refreshing:  # a flood of unknown key ids waits for one fetch, not one each
+                if self.issuer.wants_refresh(kid):
+                    await self._run(self.issuer.refresh)
+        if not self.issuer.available:
+            return await self._reviewed(token, key)
+        sender = self.issuer.verify(token, self.settings.progress_audience)
+        self.verified.put(key, sender)
+        return sender
+
+    async def _reviewed(self, token: str, key: str) -> Sender:
+        """A TokenReview's verdict, for an API server that publishes no issuer keys: junk refused first, and
+        reviews rate-limited for everyone."""
+        precheck(token, self.settings.progress_audience, self.wall())
         known = self.reviews.get(key)
         if known is None:
             if not self.review_budget.take():

@@ -342,6 +342,14 @@ class Kube:
         review = self.http.json("POST", "/apis/authentication.k8s.io/v1/tokenreviews", body=body)
         return review.get("status") or {}
 
+    def issuer_discovery(self) -> dict[str, Any] | None:
+        """The service-account issuer's OIDC discovery document; None where the API server serves none."""
+        return self._get("/.well-known/openid-configuration")
+
+    def issuer_keys(self) -> dict[str, Any]:
+        """The issuer's public signing keys (a JWKS), from the API server itself, whatever jwks_uri says."""
+        return self.http.json("GET", "/openid/v1/jwks", accept="application/jwk-set+json")
+
     @retrying
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get(path("api/v1", namespace, "pods", name))

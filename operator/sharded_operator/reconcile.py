@@ -110,7 +110,7 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
             job = ShardedTrainingJob.model_validate(body)
         except ValidationError as e:
             return _invalid(ctx, body, format_validation_error(e, prefix="spec."), logger)
-        if refused := forbidden(job.spec, ctx.settings.forbid_pod_overrides):
+        if refused := forbidden(job.spec, ctx.settings.forbid_pod_overrides, ctx.settings.allow):
             return _invalid(ctx, body, refused, logger)
         uid = body["metadata"]["uid"]
         key = f"{namespace}/{name}"

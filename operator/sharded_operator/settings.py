@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sharded_operator.overrides import DEFAULT_GPU_RESOURCE, DEFAULT_RDMA_RESOURCE, NAMES, Allow
 from sharded_trainer.contract import DEFAULT_CONFIG_PATH
 
 ENV_PREFIX = "SHARDED_OPERATOR_"
@@ -75,9 +76,22 @@ class OperatorSettings(BaseModel):
     cpu_procs_per_node: int = Field(2, ge=1, description="procsPerNode 'auto' on a CPU-only job.")
     forbid_pod_overrides: list[str] = Field(
         default_factory=list,
-        description="Pod overrides refused for every job (comma-separated): hostPath, hostNetwork, serviceAccountName, "
-        "secretEnv, labels, containerSecurityContext, containerSecretEnv. For clusters without admission policies; "
-        "the chart's policy checks the submitter instead.",
+        description="Rows of the pod allowlist (sharded_operator.overrides) that are refused for every job "
+        "(comma-separated), e.g. volumes,hostNetwork,annotations. For clusters without admission policies; the "
+        "chart's policy checks the submitter instead.",
+    )
+    annotation_prefixes: list[str] = Field(
+        default_factory=list,
+        description="Pod annotation prefixes a job-only user may set (comma-separated); others are a risky override.",
+    )
+    gpu_resource_names: list[str] = Field(
+        default_factory=lambda: [DEFAULT_GPU_RESOURCE],
+        description="GPU resource names of this cluster (comma-separated): the InfiniBand profile, with its host "
+        "network and IPC_LOCK, is in the allowlist only with one of them.",
+    )
+    rdma_resource_names: list[str] = Field(
+        default_factory=lambda: [DEFAULT_RDMA_RESOURCE],
+        description="RDMA device resource names of this cluster (comma-separated), as gpu_resource_names.",
     )
     host_port_range: str = Field(
         "29500-30499", pattern=r"^\d+-\d+$",
@@ -92,7 +106,8 @@ class OperatorSettings(BaseModel):
     )  # fmt: skip
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 
-    @field_validator("namespaces", "forbid_pod_overrides", "ignore_namespaces", mode="before")
+    @field_validator("namespaces", "forbid_pod_overrides", "ignore_namespaces", "annotation_prefixes",
+                     "gpu_resource_names", "rdma_resource_names", mode="before")
     @classmethod
     def _split(cls, value):
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
@@ -100,10 +115,8 @@ class OperatorSettings(BaseModel):
     @field_validator("forbid_pod_overrides")
     @classmethod
     def _known(cls, value):
-        allowed = {"hostPath", "hostNetwork", "serviceAccountName", "secretEnv", "labels", "containerSecurityContext",
-                   "containerSecretEnv"}
-        if unknown := set(value) - allowed:
-            raise ValueError(f"unknown pod overrides {sorted(unknown)}; choose from {sorted(allowed)}")
+        if unknown := set(value) - set(NAMES):
+            raise ValueError(f"unknown pod overrides {sorted(unknown)}; choose from {sorted(NAMES)}")
         return value
 
     @field_validator("host_port_range")
@@ -113,6 +126,11 @@ class OperatorSettings(BaseModel):
         if not 1024 <= lo <= hi < 32768:
             raise ValueError(f"{value}: want lo-hi within 1024-32767, below the ephemeral range")
         return value
+
+    @property
+    def allow(self) -> Allow:
+        """The pod allowlist's parameters."""
+        return Allow(tuple(self.annotation_prefixes), tuple(self.gpu_resource_names), tuple(self.rdma_resource_names))
 
     @property
     def host_ports(self) -> tuple[int, int]:

@@ -278,7 +278,7 @@ class Transport:
 
     def request(
         self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
-        content_type: str = "application/json", timeout: float | None = -1,
+        content_type: str = "application/json", timeout: float | None = -1, accept: str = "application/json",
     ) -> urllib3.BaseHTTPResponse:
         """The response, its body unread (read it as it streams, or whole with `json`/`send`; its connection
         goes back to the pool once read). Raises ApiError for an error status, Unreachable when no answer
@@ -290,7 +290,7 @@ class Transport:
         for attempt in (1, 2):
             if self.on_request is not None:
                 self.on_request(method, path)
-            headers = {"Accept": "application/json", "User-Agent": "sharded-operator", **credentials.headers()}
+            headers = {"Accept": accept, "User-Agent": "sharded-operator", **credentials.headers()}
             if data is not None:
                 headers["Content-Type"] = content_type
             try:

@@ -3,6 +3,7 @@ report is and who may send one: `intake`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -109,21 +110,128 @@ def metrics_app(metrics: Metrics, health: Health) -> web.Application:
     return app
 
 
-def progress_app(take: Callable[[str | None, bytes], Awaitable[tuple[int, dict[str, Any]]]]) -> web.Application:
-    """POST /progress: `take(Authorization header, body)` answers (HTTP status, JSON body)."""
+# A report is a few KB sent at once by a trainer on the cluster network: seconds are generous, and a peer that
+# takes longer is holding a connection, not reporting.
+HEADER_SECONDS = 10.0
+BODY_SECONDS = 10.0
+MAX_CONNECTIONS = 512
+
+
+def progress_app(
+    take: Callable[[str | None, bytes], Awaitable[tuple[int, dict[str, Any]]]],
+    body_seconds: float = BODY_SECONDS,
+    guard: ConnectionGuard | None = None,
+) -> web.Application:
+    """POST /progress: `take(Authorization header, body)` answers (HTTP status, JSON body).
+
+    The whole body is read, however many TCP segments it comes in, up to the report limit and within
+    `body_seconds`; one request per connection (a trainer posts every few seconds), so `guard`'s deadline
+    for the request's headers covers every connection.
+    """
 
     async def post_progress(request: web.Request) -> web.Response:
-        body = await request.content.read(MAX_REPORT_BYTES + 1)
-        status, answer = await take(request.headers.get("Authorization"), body)
-        return web.json_response(answer, status=status)
+        if guard is not None:
+            guard.started(request.transport)
+        try:
+            body = await asyncio.wait_for(request.read(), body_seconds)
+        except web.HTTPRequestEntityTooLarge:
+            status, answer = 413, {"error": f"a report is at most {MAX_REPORT_BYTES} bytes"}
+        except TimeoutError:
+            status, answer = 408, {"error": f"the report's body did not arrive within {body_seconds:g} s"}
+        else:
+            status, answer = await take(request.headers.get("Authorization"), body)
+        response = web.json_response(answer, status=status)
+        response.force_close()
+        return response
 
-    app = web.Application(client_max_size=MAX_REPORT_BYTES + 1)
+    app = web.Application(client_max_size=MAX_REPORT_BYTES)
     app.router.add_post("/progress", post_progress)
     return app
 
 
-async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
+class ConnectionGuard:
+    """Wraps a server's protocol factory: at most `limit` connections open at once (more are closed as they
+    arrive), and a connection whose request headers have not all arrived within `header_seconds` is closed,
+    so half-sent requests cannot hold the server's sockets."""
+
+    def __init__(self, limit: int = MAX_CONNECTIONS, header_seconds: float = HEADER_SECONDS):
+        self.limit, self.header_seconds = limit, header_seconds
+        self.factory: Callable[[], asyncio.Protocol] | None = None
+        self.open: dict[asyncio.BaseTransport, asyncio.TimerHandle | None] = {}
+        self.refused = 0
+        self.port = 0  # the port it listens on, once started
+
+    def __call__(self) -> asyncio.Protocol:
+        assert self.factory is not None
+        return _Guarded(self, self.factory())
+
+    def opened(self, transport: asyncio.BaseTransport) -> bool:
+        if len(self.open) >= self.limit:
+            self.refused += 1
+            return False
+        loop = asyncio.get_running_loop()
+        self.open[transport] = loop.call_later(self.header_seconds, transport.abort)  # type: ignore[attr-defined]
+        return True
+
+    def started(self, transport: asyncio.BaseTransport | None) -> None:
+        """The request's headers are in: its body has a deadline of its own."""
+        timer = self.open.get(transport) if transport is not None else None
+        if timer is not None:
+            timer.cancel()
+            self.open[transport] = None
+
+    def closed(self, transport: asyncio.BaseTransport | None) -> None:
+        timer = self.open.pop(transport, None) if transport is not None else None
+        if timer is not None:
+            timer.cancel()
+
+
+class _Guarded(asyncio.Protocol):
+    """One connection's protocol (aiohttp's), with the guard told when it opens and closes."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol):
+        self.guard, self.inner, self.transport = guard, inner, None
+
+    def connection_made(self, transport):
+        self.inner.connection_made(transport)
+        if self.guard.opened(transport):
+            self.transport = transport
+        else:
+            transport.abort()
+
+    def connection_lost(self, exc):
+        self.guard.closed(self.transport)
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data):
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self):
+        self.inner.pause_writing()
+
+    def resume_writing(self):
+        self.inner.resume_writing()
+
+
+async def start(app: web.Application, host: str, port: int, guard: ConnectionGuard | None = None) -> web.AppRunner:
+    """Serve `app` on host:port; with `guard`, through its connection limits (runner.cleanup() closes it too)."""
+    servers: list[asyncio.Server] = []
+
+    async def close(_: web.Application) -> None:
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+
+    app.on_cleanup.append(close)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    if guard is None:
+        await web.TCPSite(runner, host, port).start()
+    else:
+        guard.factory = runner.server
+        servers.append(server := await asyncio.get_running_loop().create_server(guard, host, port))
+        guard.port = server.sockets[0].getsockname()[1]
     return runner

@@ -1,5 +1,5 @@
 """Progress reports against the real API server: bound ServiceAccount tokens minted by TokenRequest (the
-test plays the kubelet for KWOK's pods), verified by the operator with TokenReview; every forgery refused
+test plays the kubelet for KWOK's pods), verified by the operator offline against the issuer keys; every forgery refused
 and nothing changed; rate limits; memory that junk cannot grow."""
 
 from __future__ import annotations
@@ -146,3 +146,68 @@ def test_ten_thousand_junk_posts_leave_the_operators_memory_where_it_was(operato
     assert codes == {401}
     assert after - before < 20 * 1024, f"RSS grew by {(after - before) / 1024:.1f} MiB"
     assert os.kill(operator.proc.pid, 0) is None  # and it is still there
+
+
+def api_requests(operator, resource: str) -> float:
+    """The operator's own count of requests it sent to the API server for `resource` (all methods)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{operator.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sharded_api_requests_total{") and f'resource="{resource}"' in line)  # fmt: skip
+
+
+def forge(real: str, i: int) -> str:
+    """A token with the real one's header and plausible claims (another pod, a fresh expiry) and a garbage
+    signature: what the TokenReview pre-check once let through."""
+    import base64
+
+    header, payload, _ = real.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    claims["kubernetes.io"]["pod"] = {"name": f"forged-{i}", "uid": f"00000000-0000-0000-0000-{i:012d}"}
+    claims["exp"] = int(time.time()) + 3600
+    body = base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
+    return f"{header}.{body}.{base64.urlsafe_b64encode(os.urandom(256)).rstrip(b'=').decode()}"
+
+
+def test_a_flood_of_forged_tokens_costs_no_api_call_and_a_real_pod_keeps_reporting(core, custom, namespace,
+                                                                                   operator):  # fmt: skip
+    """Thousands of distinct forged tokens once spent the shared TokenReview budget in a second, and the next
+    real report got 429 until healthy jobs were restarted as hung. Verified offline, they cost nothing."""
+    job = Job(core, custom, namespace)
+    real = mint(core, namespace, job.running_pods()[0])
+    assert post(operator, job.report(step=1), real)[0] == 200
+    reviews = api_requests(operator, "tokenreviews")
+    deadline, codes, stop = time.monotonic() + 12, set(), False
+
+    def flood(worker: int) -> set:
+        seen, i = set(), worker * 1_000_000
+        while not stop and time.monotonic() < deadline:  # bounded in time, loopback only
+            seen.add(post(operator, job.report(step=7), forge(real, i))[0])
+            i += 1
+        return seen
+
+    with ThreadPoolExecutor(6) as pool:
+        floods = [pool.submit(flood, w) for w in range(6)]
+        step, lags = 1, []
+        try:
+            while time.monotonic() < deadline - 3:
+                step += 1
+                sent = time.monotonic()
+                code, answer = post(operator, job.report(step=step), real)
+                assert code == 200, (step, code, answer)
+                # Within 2 x progressWriteSeconds (1 s here) the report is in status.
+                wait_for(lambda s=step: job.status().get("progress", {}).get("step") == s, timeout=2,
+                         interval=0.05, what=f"report {step} in status during the flood")  # fmt: skip
+                lags.append(time.monotonic() - sent)
+                time.sleep(0.5)
+        finally:
+            stop = True
+        for f in floods:
+            codes |= f.result()
+    assert codes == {401}, codes
+    assert len(lags) >= 5, lags
+    assert api_requests(operator, "tokenreviews") == reviews  # no forged token reached the API server
+    status = job.status()
+    assert status["phase"] == "Running" and status.get("attempt") == 1 and status["progress"]["step"] == step

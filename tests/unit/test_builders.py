@@ -302,36 +302,6 @@ def test_pods_prove_themselves_to_the_operator_with_a_projected_token_for_its_au
     assert not [v for v in bare["spec"]["volumes"] if "projected" in v]
 
 
-@pytest.mark.parametrize(
-    "name,path,value,field",
-    [
-        ("hostPath", "pod.volumes", [{"name": "h", "hostPath": {"path": "/"}}], "spec.pod.volumes"),
-        ("hostNetwork", "network.hostNetwork", True, "spec.network.hostNetwork"),
-        ("serviceAccountName", "pod.serviceAccountName", "admin", "spec.pod.serviceAccountName"),
-        ("secretEnv", "pod.env", [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
-         "spec.pod.env"),
-        ("labels", "pod.labels", {"app": "web"}, "spec.pod.labels"),
-        ("containerSecurityContext", "pod.sidecars", [{"name": "s", "image": "i", "securityContext": {}}],
-         "spec.pod.initContainers/sidecars"),
-        ("containerSecretEnv", "pod.initContainers",
-         [{"name": "s", "image": "i", "envFrom": [{"secretRef": {"name": "db"}}]}],
-         "spec.pod.initContainers/sidecars[].env"),
-        ("containerSecretEnv", "pod.sidecars",
-         [{"name": "s", "image": "i", "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}],  # noqa: E501
-         "spec.pod.initContainers/sidecars[].env"),
-    ],
-)  # fmt: skip
-def test_the_operator_can_refuse_each_risky_pod_override_for_everyone(name, path, value, field):
-    from sharded_operator.overrides import forbidden
-
-    spec = make_job().spec(path, value).model().spec
-    assert forbidden(spec, []) is None and forbidden(make_job().model().spec, [name]) is None
-    assert field in forbidden(spec, [name])
-    if name == "hostNetwork":  # the InfiniBand profile may need it
-        ib = make_job().gpus(8).spec(path, value).spec("network.infiniband", {"enabled": True}).model().spec
-        assert forbidden(ib, [name]) is None
-
-
 def test_requests_and_limits_may_differ_and_a_limit_below_its_request_is_refused():
     job = make_job().spec("resources", {"cpu": 8, "cpuLimit": 16, "memory": "32Gi", "memoryLimit": "48Gi"}).model()
     res = builders.build_pod(job, 0, 1, SETTINGS)["spec"]["containers"][0]["resources"]

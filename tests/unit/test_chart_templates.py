@@ -123,24 +123,49 @@ def test_the_network_policy_admits_progress_only_from_training_pods_and_metrics_
     assert not find(render(helm, "networkPolicy.enabled=false"), "NetworkPolicy")
 
 
-def test_the_admission_policy_checks_the_submitter_for_each_risky_field(helm):
-    from sharded_operator.overrides import RISKY
+def test_the_admission_policy_checks_the_submitter_for_each_allowlist_row(helm):
+    from sharded_operator.overrides import ROWS, Allow
 
     [policy] = find(render(helm), "ValidatingAdmissionPolicy")
     [binding] = find(render(helm), "ValidatingAdmissionPolicyBinding")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
-    messages = [v["message"] for v in policy["spec"]["validations"]]
-    assert sorted(m.split(":")[0] for m in messages) == sorted(field for field, _ in RISKY.values())
+    assert [v["message"] for v in policy["spec"]["validations"]] == [row.message() for row in ROWS]
     assert all(v["expression"].startswith("variables.canCreatePods || ") for v in policy["spec"]["validations"])
-    env = env_of(render(helm, "forbidPodOverrides={hostPath,labels}"))
-    assert env["SHARDED_OPERATOR_FORBID_POD_OVERRIDES"] == "hostPath,labels"
+    # The chart's allowlist parameters reach the policy's variables and the operator's settings alike.
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert {k: variables[k] for k in Allow().variables()} == Allow().variables()
+    sets = ("podPolicy.annotationPrefixes={prometheus.io/}", "podPolicy.gpuResourceNames={amd.com/gpu}")
+    [custom] = find(render(helm, *sets), "ValidatingAdmissionPolicy")
+    variables = {v["name"]: v["expression"] for v in custom["spec"]["variables"]}
+    assert variables["annotationPrefixes"] == '["prometheus.io/"]' and variables["gpuResources"] == '["amd.com/gpu"]'
+    env = env_of(render(helm, "forbidPodOverrides={volumes,labels}", *sets))
+    assert env["SHARDED_OPERATOR_FORBID_POD_OVERRIDES"] == "volumes,labels"
+    assert env["SHARDED_OPERATOR_ANNOTATION_PREFIXES"] == "prometheus.io/"
+    assert env["SHARDED_OPERATOR_GPU_RESOURCE_NAMES"] == "amd.com/gpu"
+    assert env["SHARDED_OPERATOR_RDMA_RESOURCE_NAMES"] == "rdma/ib"
+
+
+def test_the_charts_allowlist_values_name_exactly_the_tables_rows():
+    """values.schema.json, values.yaml's comment and the generated policy file follow overrides.py."""
+    import json
+
+    from sharded_operator import overrides
+
+    chart = ROOT / "charts" / "sharded-training-operator"
+    schema = json.loads((chart / "values.schema.json").read_text())
+    assert schema["properties"]["forbidPodOverrides"]["items"]["enum"] == list(overrides.NAMES)
+    values = (chart / "values.yaml").read_text()
+    comment = values[values.index("# -- Rows of the pod allowlist"): values.index("forbidPodOverrides: []")]
+    assert [n for n in overrides.NAMES if n not in comment] == []
+    assert (chart / "files" / "pod-overrides.yaml").read_text() == overrides.render(), "run `make crds`"
 
 
 @pytest.mark.parametrize(
     "bad,message",
     [
         ("forbidPodOverrides={hostIPC}", "forbidPodOverrides"),
+        ("podPolicy.gpuResourceName=x", "podPolicy"),
         ("metrics.port=80", "/metrics/port"),
         ("operator.logFormat=xml", "/operator/logFormat"),
         ("watchNamespace=a", "watchNamespace"),  # a typo is an error, not silently ignored

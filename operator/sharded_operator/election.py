@@ -65,3 +65,20 @@ class Leadership:
             self.renewed = now
         elif self.renewed is not None and not self.leading(now):
             self.renewed = None
+
+
+class Hearing:
+    """Since when this replica has been able to hear every job's progress: acting (it leads), its progress
+    server up, and the reports it takes landing in status. The hang and startup timers count from no earlier:
+    time in which it could not hear (an operator outage, a standby's wait, the API server away) is no proof
+    of a silent gang, so after an outage they start again."""
+
+    def __init__(self) -> None:
+        self.since: dt.datetime | None = None
+
+    def hearing(self, now: dt.datetime) -> None:
+        if self.since is None:
+            self.since = now
+
+    def deaf(self) -> None:
+        self.since = None

@@ -23,7 +23,9 @@ from sharded_operator.views import POD_FINISHED, Observed
 from sharded_trainer.contract import ExitCode, iso, parse_iso
 
 # Reasons of failures that are disruptions whatever their exit code.
-DISRUPTION_REASONS = frozenset({"NodeLost", "Evicted", "DisruptionTarget", "Preempted", "RendezvousLost"})
+DISRUPTION_REASONS = frozenset(
+    {"NodeLost", "Evicted", "DisruptionTarget", "Preempted", "RendezvousLost", "PodVanished"}
+)
 # Failures of the whole gang, never of one pod: no replacement of a pod alone recovers from them.
 GANG_REASONS = frozenset({"Hang", "StartupTimeout", "RendezvousLost", "InPlaceRecoveryTimeout"})
 # How long a vanished pod waits for its deletion event (which says why it went) before it counts anyway.
@@ -105,6 +107,11 @@ def current_failures(
             continue  # why it went is not known yet
         if last and last.disruption:
             reason, message = "DisruptionTarget", last.disruption
+        elif last is None and name in obs.unwatched:
+            # An eviction, a preemption or a node's garbage collection while the operator was down looks
+            # like this: the benefit of the doubt, as a disruption, rather than a restart the code is blamed for.
+            reason, message = "PodVanished", (f"pod {name} went while the operator was not watching; why is not "
+                                              f"known, so it counts as a disruption")  # fmt: skip
         else:
             reason, message = "PodDeleted", f"pod {name} disappeared"
         out.append(FailureInfo(
@@ -214,23 +221,25 @@ def first_failure(job: ShardedTrainingJob, failures: list[FailureInfo]) -> Failu
     return min(candidates, key=lambda f: (f.time or "", f.node_rank or 0), default=None)
 
 
-def hang(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime) -> FailureInfo | None:
+def hang(
+    job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime, hearing_since: str | None = None
+) -> FailureInfo | None:
     """No new report of this attempt for `hangTimeoutSeconds`, or none at all `startupTimeoutSeconds`
-    after every pod ran. An attempt that never reports (a custom script) is never declared hung."""
+    after every pod ran. An attempt that never reports (a custom script) is never declared hung. Both
+    count from `hearing_since` at the earliest: a silence the operator could not have heard proves nothing."""
     fp = job.spec.failure_policy
     if status.phase != Phase.RUNNING:
         return None
     progress = status.progress
     if progress and progress.attempt == status.attempt and progress.observed_at:
-        quiet = (now - parse_iso(progress.observed_at)).total_seconds()
+        quiet = (now - latest(progress.observed_at, hearing_since)).total_seconds()
         if fp.hang_timeout_seconds and quiet > fp.hang_timeout_seconds:
             message = f"no new progress report for {quiet:.0f}s (hangTimeoutSeconds {fp.hang_timeout_seconds})"
             return FailureInfo(reason="Hang", message=message, attempt=status.attempt, time=iso(now))
         return None
-    running_since = parse_iso(next((c.last_transition_time for c in status.conditions
-                                    if c.type == ConditionType.RUNNING and c.status == "True"), None))  # fmt: skip
+    running_since = running_condition_since(status)
     if fp.startup_timeout_seconds and running_since:
-        waited = (now - running_since).total_seconds()
+        waited = (now - latest(running_since, hearing_since)).total_seconds()
         if waited > fp.startup_timeout_seconds:
             message = (
                 f"no progress report {waited:.0f}s after every pod ran (startupTimeoutSeconds "
@@ -238,3 +247,16 @@ def hang(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.date
             )
             return FailureInfo(reason="StartupTimeout", message=message, attempt=status.attempt, time=iso(now))
     return None
+
+
+def running_condition_since(status: ShardedTrainingJobStatus) -> str | None:
+    """When every pod of the attempt was last seen running (the Running condition's transition)."""
+    return next((c.last_transition_time for c in status.conditions
+                 if c.type == ConditionType.RUNNING and c.status == "True"), None)  # fmt: skip
+
+
+def latest(start: str, floor: str | None) -> dt.datetime:
+    """`start`, or `floor` if that is later (both RFC 3339; `start` must parse)."""
+    t, f = parse_iso(start), parse_iso(floor)
+    assert t is not None
+    return max(t, f) if f is not None else t

@@ -33,7 +33,7 @@ from sharded_operator.intake import ProgressDesk
 from sharded_operator.k8s import Kube
 from sharded_operator.memory import TRIM_SECONDS, Trimmer
 from sharded_operator.models import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
-from sharded_operator.nodewatch import Changes, NodeWatch
+from sharded_operator.nodewatch import Changes, Gone, NodeWatch
 from sharded_operator.progress import REPORT_FIELDS
 from sharded_operator.reconcile import Context, Snapshot, owned, reconcile
 from sharded_operator.settings import OperatorSettings
@@ -92,14 +92,18 @@ def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
     uid = body["metadata"]["uid"]
     body = {**body, "status": ctx.recent.status(uid, body.get("status") or {}, owned)}
     pods = ctx.recent.pods(f"{key[0]}/{key[1]}", list(index.job_pods.get(key, ())))
-    nodes = {n: v for n in {p.node for p in pods if p.node} if (v := index.nodes.get(n)) is not None}
+    on = {p.node for p in pods if p.node}
+    nodes = {n: v for n in on if (v := index.nodes.get(n)) is not None}
+    # A node neither listed nor seen deleted may be one the watch has not reported yet (a backoff, a relist,
+    # a dead connection not noticed): reconcile asks the API server before anything is declared lost.
+    unconfirmed = frozenset(n for n in on if n not in nodes and n not in index.nodes_gone)
     ports: frozenset[int] = frozenset()
     if ((body.get("spec") or {}).get("network") or {}).get("hostNetwork") and "hostPort" not in body["status"]:
         ports = frozenset(
             j.host_port for store in index.jobs.values() for j in store
             if j.host_port is not None and j.phase not in FINISHED
         )  # fmt: skip
-    return Snapshot(body=body, pods=pods, nodes=nodes, host_ports=ports)
+    return Snapshot(body=body, pods=pods, nodes=nodes, host_ports=ports, unconfirmed=unconfirmed)
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -225,6 +229,10 @@ async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks, 
             ctx.seen.clear()
             looks.last.clear()
             if leading:
+                ctx.hearing.hearing(_now())
+            else:
+                ctx.hearing.deaf()
+            if leading:
                 for key in list(index.jobs):
                     queue.add(key)
         await asyncio.sleep(election.RETRY_SECONDS)
@@ -243,6 +251,11 @@ async def flush_progress(desk: ProgressDesk, ctx: Context) -> None:
         await asyncio.sleep(1)
         ctx.health.beat("progress")
         await desk.flush()
+        # Reports that cannot be written leave status behind what the pods said: no silence is proven then.
+        if desk.failing or not ctx.leadership.leading(_now()):
+            ctx.hearing.deaf()
+        else:
+            ctx.hearing.hearing(_now())
 
 
 @kopf.on.login()
@@ -282,8 +295,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)
     ctx.indexed, ctx.nodes_listed = asyncio.Event(), asyncio.Event()
-    # Nodes by name (NodeView), kept by the node watch: nodes are not watched through kopf (see nodewatch).
-    memo.index = index = kopf.Memo(jobs=jobs, job_pods=job_pods, node_jobs=node_jobs, nodes={})
+    # Nodes by name (NodeView), kept by the node watch: nodes are not watched through kopf (see nodewatch);
+    # and the names the watch has seen deleted (a fact, unlike a name that was never listed).
+    memo.index = index = kopf.Memo(jobs=jobs, job_pods=job_pods, node_jobs=node_jobs, nodes={},
+                                   nodes_gone=Gone())  # fmt: skip
     memo.queue = queue = WorkQueue()
     ctx.metrics.watch_queue(queue)
     pool = ThreadPoolExecutor(cfg.reconcile_workers, thread_name_prefix="reconcile")
@@ -388,8 +403,10 @@ def nodes_changed(ctx: Context, queue: WorkQueue, index: kopf.Memo, diff: Change
     for name, view in diff.items():
         if view is None:
             index.nodes.pop(name, None)
+            index.nodes_gone.add(name)
         else:
             index.nodes[name] = view
+            index.nodes_gone.discard(name)
     ctx.nodes_listed.set()
     if ctx.leadership.leading(_now()):
         for key in {key for name in diff for key in index.node_jobs.get(name, ())}:

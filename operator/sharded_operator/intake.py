@@ -109,6 +109,7 @@ class ProgressDesk:
         self.issuer = IssuerKeys(kube.issuer_discovery, kube.issuer_keys, clock)
         self._refreshing = asyncio.Lock()
         self.verified = TTLCache(4096, 60, clock)  # token digest -> the Sender it proved
+        self.failing = False  # the last write of a report failed (the API server away): status lags behind
         self.reviews = TTLCache(4096, 60, clock)  # token digest -> Sender or Refusal (TokenReview only)
         self.pods = TTLCache(4096, 5, clock)  # pod uid -> the pod as last read
         self.review_budget = Bucket(settings.token_reviews_per_second, settings.token_reviews_per_second * 2, clock)
@@ -242,10 +243,12 @@ class ProgressDesk:
             if desk.report is not None and now - desk.written_at >= self.settings.progress_write_seconds:
                 try:
                     await self.write(uid)
+                    self.failing = False
                 except Refusal as r:
                     logger.info("report for job %s dropped: %s", uid, r.reason)
                 except Exception:  # the API server away: the next flush tries again
                     logger.exception("writing a progress report for job %s failed", uid)
+                    self.failing = True
             elif desk.report is None and now - desk.touched > IDLE_SECONDS:
                 del self.jobs[uid]
         for pod_uid, (used, _) in list(self.per_pod.items()):

@@ -197,6 +197,10 @@ class Kube:
             "items"]  # fmt: skip
 
     @retrying
+    def get_node(self, name: str) -> dict[str, Any] | None:
+        """One attempt, no retries: a caller that cannot tell waits for the node watch instead."""
+        return self._get(path("api/v1", None, "nodes", name))
+
     def list_nodes(self) -> tuple[list[dict[str, Any]], str]:
         """Every node and the list's resourceVersion, from which a watch misses nothing."""
         body = self.http.json("GET", "/api/v1/nodes")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,40 @@ RETRY_SECONDS = (1.0, 30.0)
 STUCK_AFTER = 3
 
 Changes = dict[str, NodeView | None]  # node name -> its new view, None: the node is gone
+# Deleted node names remembered: a churning autoscaled pool must not grow the operator's memory for ever; a
+# name forgotten costs one GET of it if a pod still names it.
+GONE_KEPT = 10_000
+
+
+class Gone:
+    """Names of nodes the watch saw deleted (or a listing left out), the newest `GONE_KEPT` of them."""
+
+    def __init__(self, kept: int = GONE_KEPT) -> None:
+        self.kept, self._names = kept, OrderedDict[str, None]()
+
+    def add(self, name: str) -> None:
+        self._names[name] = None
+        self._names.move_to_end(name)
+        while len(self._names) > self.kept:
+            self._names.popitem(last=False)
+
+    def discard(self, name: str) -> None:
+        self._names.pop(name, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def carried(old: NodeView | None, new: NodeView) -> NodeView:
+    """`new`, keeping when the node stopped being Ready if it has not been Ready since: the node lifecycle
+    controller turns a NotReady node Unknown (a new transition time), and the node has been down since the
+    first one. (A Ready in between that no event or listing showed is not known: it counts as down.)"""
+    if old is not None and not old.ready and old.since and not new.ready and (not new.since or new.since > old.since):
+        return NodeView(ready=False, since=old.since)
+    return new
 
 
 def changes(old: dict[str, NodeView], new: dict[str, NodeView]) -> Changes:
@@ -87,7 +122,8 @@ class NodeWatch:
 
     def relist(self) -> None:
         items, version = self.kube.list_nodes()
-        fresh = {name: NodeView.from_node(node) for node in items if (name := _name(node))}
+        fresh = {name: carried(self.views.get(name), NodeView.from_node(node)) for node in items
+                 if (name := _name(node))}  # fmt: skip
         if len(fresh) < len(items):
             logger.warning("%d listed nodes without a name left out", len(items) - len(fresh))
         diff, self.views = changes(self.views, fresh), fresh
@@ -105,7 +141,7 @@ class NodeWatch:
             name = _name(node)
             if name is None or kind not in ("ADDED", "MODIFIED", "DELETED"):
                 raise Malformed(f"a {kind!r} node event without a name or of an unknown type")
-            view = None if kind == "DELETED" else NodeView.from_node(node)
+            view = None if kind == "DELETED" else carried(self.views.get(name), NodeView.from_node(node))
             if self.views.get(name) == view:
                 continue  # a heartbeat
             if view is None:

@@ -13,9 +13,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from sharded_operator import builders
-from sharded_operator.election import Leadership
+from sharded_operator.election import Hearing, Leadership
 from sharded_operator.failure import missing_pods
-from sharded_operator.k8s import Kube, MissingAPI, Refused
+from sharded_operator.k8s import ApiError, Kube, MissingAPI, Refused
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.overrides import forbidden
 from sharded_operator.progress import REPORT_FIELDS
@@ -42,9 +42,11 @@ class Context:
     metrics: Metrics = field(default_factory=Metrics)
     departed: dict[str, dict[str, PodView]] = field(default_factory=dict)  # "ns/job" -> pod name -> last view
     missing: dict[str, dict[str, str]] = field(default_factory=dict)  # "ns/job" -> pod name -> missing since
+    unwatched: dict[str, set[str]] = field(default_factory=dict)  # "ns/job" -> pods missing at the first look
     seen: dict[str, str] = field(default_factory=dict)  # job UID -> digest of the version last reconciled on
     recent: Recent = field(default_factory=Recent)
     leadership: Leadership = field(default_factory=lambda: Leadership("", enabled=False))
+    hearing: Hearing = field(default_factory=Hearing)
     health: Health = field(default_factory=lambda: Health(float("inf")))
     indexed: asyncio.Event | None = None  # set once every kind kopf watches has had its initial listing
     nodes_listed: asyncio.Event | None = None  # set once the node watch has listed every node
@@ -62,6 +64,7 @@ class Context:
         """Drop what is kept per job once the job is gone: departed pods, missing pods, phase gauge."""
         self.departed.pop(f"{namespace}/{name}", None)
         self.missing.pop(f"{namespace}/{name}", None)
+        self.unwatched.pop(f"{namespace}/{name}", None)
         self.seen.pop(uid, None)
         self.recent.forget(f"{namespace}/{name}", uid)
         self.metrics.observe_phase(uid, None)
@@ -77,6 +80,7 @@ class Snapshot:
     pods: list[PodView]  # every pod with the job's name label: its training pods and its store pod
     nodes: dict[str, NodeView]  # the nodes those pods are on (a name missing here: that node is gone)
     host_ports: frozenset[int] = frozenset()  # ports of host-network jobs that have not finished
+    unconfirmed: frozenset[str] = frozenset()  # nodes pods name that the watch has neither listed nor deleted
 
 
 @dataclass(frozen=True)
@@ -120,12 +124,18 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
         store_name = builders.store_pod_name(job)
         store = next((p for p in snap.pods if p.index < 0 and p.owner_uid == uid and p.name == store_name), None)
         departed = ctx.departed.get(key, {})
-        observed = Observed(pods=pods, nodes=snap.nodes, departed=departed, foreign=foreign, store=store,
-                            store_listed=True)  # fmt: skip
+        observed = Observed(pods=pods, nodes=confirmed(ctx, snap, logger), departed=departed, foreign=foreign,
+                            store=store, store_listed=True)  # fmt: skip
         now = dt.datetime.now(dt.UTC)
+        first_look = key not in ctx.missing
         seen_missing = ctx.missing.get(key, {})
         ctx.missing[key] = {p: seen_missing.get(p, iso(now)) for p in missing_pods(job, job.status, observed)}
-        observed = dataclasses.replace(observed, missing_since=ctx.missing[key])
+        unwatched = ctx.unwatched.get(key, set(ctx.missing[key]) if first_look else set()) & ctx.missing[key].keys()
+        ctx.unwatched[key] = unwatched
+        # Not hearing now: the timers have not started (they start from now at the earliest).
+        hearing_since = iso(ctx.hearing.since or now)
+        observed = dataclasses.replace(observed, missing_since=ctx.missing[key], unwatched=frozenset(unwatched),
+                                       hearing_since=hearing_since)  # fmt: skip
         grace = {"restart": ctx.settings.restart_grace_seconds, "suspend": ctx.settings.suspend_grace_seconds}
         plan = decide(job, observed, now, grace)
         # Departed pods matter only to the attempt they belonged to.
@@ -210,6 +220,23 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
             ctx.forget(uid, namespace, name)
             return None
         return Outcome(plan.status, due)
+
+
+def confirmed(ctx: Context, snap: Snapshot, logger: logging.Logger) -> dict[str, NodeView]:
+    """The snapshot's nodes, and those it could not vouch for as the API server has them now: a node is
+    declared gone only on the watch's word or a 404, never because the watch has not reported it yet. One
+    that cannot be looked up counts as not Ready since an unknown time (never lost, looked at again)."""
+    nodes = dict(snap.nodes)
+    for name in snap.unconfirmed:
+        try:
+            node = ctx.kube.get_node(name)
+        except (ApiError, OSError) as e:
+            logger.warning("node %s is not in the node watch and could not be looked up (%s): not judged yet", name, e)
+            nodes[name] = NodeView(ready=False)
+            continue
+        if node is not None:
+            nodes[name] = NodeView.from_node(node)
+    return nodes
 
 
 def _send(ctx: Context, namespace: str, objs: list[dict[str, Any]]) -> list[dict[str, Any] | None]:

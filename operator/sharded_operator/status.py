@@ -17,11 +17,13 @@ from sharded_operator.failure import (
     in_place_budget,
     is_disruption,
     is_permanent,
+    latest,
     missing_pods,
     node_lost,
     recovery_of,
     recovery_overdue,
     replaceable,
+    running_condition_since,
     store_lost,
     store_trouble,
     stuck_on_lost_nodes,
@@ -188,7 +190,8 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     # A lost store needs a new gang whatever else failed: no pod is replaced alone then (the pods' own
     # failure, a lost node say, is still the one named).
     lost_store = store_lost(job, status, obs, now)
-    failure = first_failure(job, failures) or lost_store or hang(job, status, now) or recovery_overdue(job, status, now)
+    failure = (first_failure(job, failures) or lost_store or hang(job, status, now, obs.hearing_since)
+               or recovery_overdue(job, status, now))  # fmt: skip
     if failure and not lost_store and replaceable(job, status, failures, failure):
         _replace_alone(job, plan, obs, failures, failure, now)
     elif failure:
@@ -467,11 +470,9 @@ def next_due(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Obs
         if status.phase == Phase.RUNNING:
             progress = status.progress
             if progress and progress.attempt == status.attempt and progress.observed_at:
-                after(progress.observed_at, fp.hang_timeout_seconds)
-            else:
-                running = next((c.last_transition_time for c in status.conditions
-                                if c.type == ConditionType.RUNNING and c.status == "True"), None)  # fmt: skip
-                after(running, fp.startup_timeout_seconds)
+                after(iso(latest(progress.observed_at, obs.hearing_since)), fp.hang_timeout_seconds)
+            elif running := running_condition_since(status):
+                after(iso(latest(running, obs.hearing_since)), fp.startup_timeout_seconds)
         if (rec := recovery_of(status)) and rec.since:
             after(rec.since, fp.in_place_timeout_seconds)
         for since in obs.missing_since.values():

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import ssl
 import subprocess
@@ -27,11 +28,18 @@ from urllib.parse import urlencode
 import urllib3
 import yaml
 
+log = logging.getLogger(__name__)
+
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # A projected ServiceAccount token is rotated by the kubelet (hourly by default): read it again this often,
 # as client-go does.
 TOKEN_REREAD_SECONDS = 60.0
 EXEC_TIMEOUT_SECONDS = 60.0
+# An exec plugin's token is renewed this long before it expires, so that a plugin that fails once (the
+# identity provider briefly down) leaves time to try again while the old token still works.
+EXEC_RENEW_EARLY_SECONDS = 60.0
+# After a renewal failed, the still-valid token is used this long before the next try.
+RENEW_RETRY_SECONDS = 5.0
 
 
 class ConfigError(RuntimeError):
@@ -65,7 +73,8 @@ class Credentials:
     password: str | None = None
     proxy: str | None = None
     namespace: str | None = None
-    expires: float | None = None  # time.time() after which `renew` gives fresh ones (a rotated token)
+    expires: float | None = None  # time.time() after which the token no longer works (None: not known)
+    renew_at: float | None = None  # time.time() after which `renew` gives fresh ones (a rotated token)
     renew: Callable[[], Credentials] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def headers(self) -> dict[str, str]:
@@ -120,7 +129,7 @@ def in_cluster() -> Credentials:
     return Credentials(
         server=f"https://{host}:{port}", ca=ca.read_text() if ca.exists() else None, token=token,
         namespace=namespace.read_text().strip() if namespace.exists() else None,
-        expires=time.time() + TOKEN_REREAD_SECONDS, renew=in_cluster,
+        renew_at=time.time() + TOKEN_REREAD_SECONDS, renew=in_cluster,
     )  # fmt: skip
 
 
@@ -195,7 +204,7 @@ def _credentials(cluster: dict[str, Any], user: dict[str, Any], namespace: str |
     if token_file := user.get("tokenFile"):
         def reread() -> Credentials:
             token = (user["_dir"] / Path(token_file).expanduser()).read_text().strip()
-            return dataclasses.replace(base, token=token, expires=time.time() + TOKEN_REREAD_SECONDS, renew=reread)
+            return dataclasses.replace(base, token=token, renew_at=time.time() + TOKEN_REREAD_SECONDS, renew=reread)
 
         return reread()
     if exec_ := user.get("exec"):
@@ -236,12 +245,13 @@ def _exec_plugin(
         status = json.loads(done.stdout)["status"]
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"kubeconfig: the credential plugin {command!r} printed no ExecCredential") from None
-    expires = None
+    expires = renew_at = None
     if stamp := status.get("expirationTimestamp"):
         expires = dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        renew_at = expires - EXEC_RENEW_EARLY_SECONDS
     return dataclasses.replace(
         base, token=status.get("token"), cert=status.get("clientCertificateData") or base.cert,
-        key=status.get("clientKeyData") or base.key, expires=expires, renew=again,
+        key=status.get("clientKeyData") or base.key, expires=expires, renew_at=renew_at, renew=again,
     )  # fmt: skip
 
 
@@ -253,7 +263,8 @@ class Transport:
     def __init__(self, credentials: Credentials, connections: int = 10,
                  on_request: Callable[[str, str], None] | None = None, timeout: float = 60.0):  # fmt: skip
         self.connections, self.on_request, self.timeout = max(connections, 1), on_request, timeout
-        self._lock = threading.Lock()
+        self._renewing = threading.Lock()  # one renewal (and swap of pool and credentials) at a time
+        self._retry_at = 0.0  # time.monotonic() before which a failed renewal is not tried again
         self._use(credentials)
 
     def _use(self, credentials: Credentials) -> None:
@@ -268,13 +279,36 @@ class Transport:
         self.credentials = credentials
 
     def _current(self, stale: Credentials | None = None) -> Credentials:
-        """The credentials to send with, renewed when they expire (or were refused: `stale`)."""
-        with self._lock:
-            c = self.credentials
-            due = c is stale or (c.expires is not None and time.time() >= c.expires)
-            if due and c.renew is not None:
-                self._use(c.renew())
-            return self.credentials
+        """The credentials to send with, renewed when due (or refused: `stale`). The renewal (an exec plugin
+        may run for a minute) holds no lock that a request needs: while one thread renews, the others send
+        with the current token as long as it still works, and wait for the renewal only when it does not.
+        A renewal that fails keeps a token that still works, and is tried again a moment later."""
+        c = self.credentials
+        if c.renew is None:
+            return c
+        now = time.time()
+        usable = c is not stale and (c.expires is None or now < c.expires)
+        if usable and (c.renew_at is None or now < c.renew_at or time.monotonic() < self._retry_at):
+            return c
+        if not self._renewing.acquire(blocking=not usable):
+            return c  # another thread is renewing; this token still works meanwhile
+        try:
+            if self.credentials is not c:
+                return self.credentials  # renewed by another thread while this one waited
+            try:
+                fresh = c.renew()
+            except (ConfigError, OSError, ValueError) as e:
+                if not usable:
+                    raise
+                self._retry_at = time.monotonic() + RENEW_RETRY_SECONDS
+                log.warning("renewing the API credentials failed; the current token still works%s: %s",
+                            "" if c.expires is None else f" until {dt.datetime.fromtimestamp(c.expires):%H:%M:%S}",
+                            e)  # fmt: skip
+                return c
+            self._use(fresh)
+            return fresh
+        finally:
+            self._renewing.release()
 
     def request(
         self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,

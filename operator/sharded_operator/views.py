@@ -162,6 +162,12 @@ class Observed:
     # When each pod of the current attempt was first found missing (its deletion event may still be on
     # its way: the watch and the list are not ordered).
     missing_since: dict[str, str] = field(default_factory=dict)
+    # Pods already missing when this process first looked at the job: they went while it was not watching
+    # (down, or not yet started), so why they went cannot be known.
+    unwatched: frozenset[str] = frozenset()
+    # Since when the operator has been able to hear every report (election.Hearing); None: as long as any
+    # timer needs. The hang and startup timers count from no earlier.
+    hearing_since: str | None = None
     # Pods with this job's name label made by another job of the same name (deleted, still terminating):
     # they hold names this job's pods need.
     foreign: list[str] = field(default_factory=list)

@@ -240,6 +240,27 @@ def test_an_eviction_restarts_the_gang_without_using_the_failure_budget(ops, cor
     assert "Eviction" in status["lastFailure"]["message"]
 
 
+def test_an_eviction_while_the_operator_is_down_is_a_disruption_not_a_failure(ops, core, operator):
+    """No replica saw the pod go (no deletion event, no DisruptionTarget to read): the job does not pay for
+    the operator's outage with its backoffLimit."""
+    from kubernetes import client
+
+    ops.create(gpu_job().spec("failurePolicy.backoffLimit", 0))
+    ops.wait_running_attempt(1, 2)
+    operator.kill()
+    try:
+        core.create_namespaced_pod_eviction(
+            "j-1", ops.ns, client.V1Eviction(metadata=client.V1ObjectMeta(name="j-1", namespace=ops.ns))
+        )
+        wait_for(lambda: "j-1" not in {p.metadata.name for p in ops.pods()}, timeout=30, what="j-1 gone")
+    finally:
+        operator.start()
+    ops.wait_running_attempt(2, 2)
+    status = ops.status()
+    assert (status["restarts"], status["disruptions"], status["phase"]) == (0, 1, "Running")
+    assert status["lastFailure"]["reason"] == "PodVanished" and status["lastFailure"]["pod"] == "j-1"
+
+
 def test_a_pod_the_api_server_refuses_shows_in_a_condition_and_one_event(ops, core):
     """An invalid pod label passes the job's admission (labels are free-form there) but not the pod's."""
     ops.create(gpu_job().spec("pod", {"labels": {"team": "-not a label value-"}}))

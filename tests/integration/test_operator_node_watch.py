@@ -5,6 +5,7 @@ past it: tests/unit/test_nodewatch.py scripts it.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import queue
 
@@ -81,3 +82,45 @@ def test_the_node_watch_follows_readiness_and_a_deletion_while_it_was_away(clust
     finally:
         if name in {n.metadata.name for n in core.list_node().items}:
             core.delete_node(name)
+
+
+def test_a_node_the_watch_has_not_reported_is_asked_for_before_it_is_declared_lost(cluster, core):
+    """Pods on a node the index lacks (the watch in backoff, say): the API server is asked. A node that exists
+    is judged on what it says, one that does not (404) is lost, and one that cannot be looked up is not judged
+    at all yet: absence from the index is never taken for a deletion."""
+    import logging
+
+    from jobs import make_job
+    from sharded_operator.reconcile import Context, Snapshot, confirmed
+    from sharded_operator.settings import OperatorSettings
+    from sharded_operator.status import decide
+    from sharded_operator.views import Observed, PodView
+
+    name = "nodewatch-unreported"
+    cluster.add_gpu_node(name)
+    try:
+        wait_for(lambda: any(c.type == "Ready" and c.status == "True"
+                             for c in core.read_node_status(name).status.conditions or []),
+                 timeout=30, what="the node Ready")  # fmt: skip
+        job = make_job().nodes(2).status(attempt=1, phase="Running", startTime=iso(dt.datetime.now(dt.UTC)))
+        pods = [PodView(name="j-0", index=0, attempt=1, phase="Running", node=name),
+                PodView(name="j-1", index=1, attempt=1, phase="Running", node="nodewatch-never-was")]  # fmt: skip
+        snap = Snapshot(body=job.obj(), pods=pods, nodes={}, unconfirmed=frozenset({name, "nodewatch-never-was"}))
+        log = logging.getLogger("test")
+        now = dt.datetime.now(dt.UTC)
+
+        nodes = confirmed(Context(settings=OperatorSettings(), kube=Kube.connect(str(cluster.kubeconfig))), snap, log)
+        assert nodes == {name: NodeView(ready=True)}
+        plan = decide(job.model(), Observed(pods=pods, nodes=nodes), now, {"restart": 3, "suspend": 5})
+        assert plan.status.last_failure.reason == "NodeLost" and plan.status.last_failure.pod == "j-1"
+        assert "nodewatch-never-was no longer exists" in plan.status.last_failure.message
+
+        # The API server unreachable: neither node is judged.
+        dead = Kube.connect(str(cluster.kubeconfig))
+        dead.http.credentials = dataclasses.replace(dead.http.credentials, server="https://127.0.0.1:1")
+        nodes = confirmed(Context(settings=OperatorSettings(), kube=dead), snap, log)
+        assert nodes == {name: NodeView(ready=False), "nodewatch-never-was": NodeView(ready=False)}
+        plan = decide(job.model(), Observed(pods=pods, nodes=nodes), now, {"restart": 3, "suspend": 5})
+        assert plan.status.last_failure is None and plan.status.phase == "Running"
+    finally:
+        core.delete_node(name)

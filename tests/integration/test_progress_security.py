@@ -22,9 +22,12 @@ CKPT = {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00
 
 
 class Job:
-    def __init__(self, core, custom, namespace: str, name: str = "j"):
+    def __init__(self, core, custom, namespace: str, name: str = "j", **spec):
         self.core, self.custom, self.ns, self.name = core, custom, namespace, name
-        body = make_job(name).nodes(2).gpus(4).spec("failurePolicy.backoffLimit", 3).obj()
+        builder = make_job(name).nodes(2).gpus(4).spec("failurePolicy.backoffLimit", 3)
+        for path, value in spec.items():
+            builder = builder.spec(path.replace("__", "."), value)
+        body = builder.obj()
         body["metadata"] = {"name": name}
         self.uid = custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)["metadata"]["uid"]
 
@@ -211,3 +214,26 @@ def test_a_flood_of_forged_tokens_costs_no_api_call_and_a_real_pod_keeps_reporti
     assert api_requests(operator, "tokenreviews") == reviews  # no forged token reached the API server
     status = job.status()
     assert status["phase"] == "Running" and status.get("attempt") == 1 and status["progress"]["step"] == step
+
+
+def test_a_healthy_job_outlives_an_operator_outage_longer_than_its_hang_timeout(core, custom, namespace, operator):
+    """The operator away for 2 x hangTimeoutSeconds: status says the last report was heard that long ago, yet
+    the gang was training all along (its reports failed to reach anyone). Back, the operator counts the
+    silence only from when it could hear again: the next report lands, nothing restarts."""
+    job = Job(core, custom, namespace, failurePolicy__hangTimeoutSeconds=60)
+    token = mint(core, namespace, job.running_pods()[0])
+    assert post(operator, job.report(), token)[0] == 200
+    wait_for(lambda: job.status().get("progress", {}).get("step") == 40, what="progress")
+    operator.kill()
+    try:
+        progress = job.status()["progress"]
+        long_ago = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 2 * 60 - 10))
+        custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, job.name, {"status": {"progress": {**progress, "observedAt": long_ago}}}
+        )  # what status says after an outage of 2 x hangTimeout
+    finally:
+        operator.start()
+    time.sleep(5)  # the first reconciles after the start have run
+    wait_for(lambda: post(operator, job.report(step=41), token)[0] == 200, what="the next report taken")
+    status = wait_for(lambda: (s := job.status()).get("progress", {}).get("step") == 41 and s, what="the report")
+    assert (status["attempt"], status.get("restarts", 0), status.get("lastFailure")) == (1, 0, None), status

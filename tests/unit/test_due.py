@@ -61,6 +61,12 @@ CASES = {
     "hang": (running(progress={"step": 3, "attempt": 1, "observedAt": ago(10), "updatedAt": ago(10)})
              .spec("failurePolicy.hangTimeoutSeconds", 600), Observed(pods=pods()), 590),
     "startup timeout": (running().spec("failurePolicy.startupTimeoutSeconds", 600), Observed(pods=pods()), 500),
+    # The operator has heard reports only for 30 s (it just started, or took the Lease): the timers count from then.
+    "hang after an outage": (running(progress={"step": 3, "attempt": 1, "observedAt": ago(900), "updatedAt": ago(900)})
+                             .spec("failurePolicy.hangTimeoutSeconds", 600),
+                             Observed(pods=pods(), hearing_since=ago(30)), 570),
+    "startup after an outage": (running().spec("failurePolicy.startupTimeoutSeconds", 600),
+                                Observed(pods=pods(), hearing_since=ago(30)), 570),
     "active deadline": (running(activeSince=ago(500)).spec("runPolicy.activeDeadlineSeconds", 600),
                         Observed(pods=pods()), 100),
     "node lost": (running(),

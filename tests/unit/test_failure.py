@@ -100,6 +100,21 @@ def test_an_attempt_that_has_not_reported_is_never_hung(case, status):
     assert plan.status.phase == "Running", plan.status.message
 
 
+def test_the_hang_and_startup_timers_count_only_time_the_operator_could_hear():
+    """After an outage of the operator (or of the API server, or a standby taking over) longer than the
+    timeouts, silence from before it proves nothing: the timers start again when hearing did."""
+    hung = running(progress=reported(1, 900)).spec("failurePolicy.hangTimeoutSeconds", 300)
+    assert decide(hung.model(), Observed(pods=pods(2)), NOW, GRACE).status.last_failure.reason == "Hang"
+    back = Observed(pods=pods(2), hearing_since=ago(200))
+    assert decide(hung.model(), back, NOW, GRACE).status.phase == "Running"
+    long_back = Observed(pods=pods(2), hearing_since=ago(301))
+    assert decide(hung.model(), long_back, NOW, GRACE).status.last_failure.reason == "Hang"
+    never = running(running_for=5000).spec("failurePolicy.startupTimeoutSeconds", 600)
+    assert decide(never.model(), Observed(pods=pods(2), hearing_since=ago(500)), NOW, GRACE).status.phase == "Running"
+    assert decide(never.model(), Observed(pods=pods(2), hearing_since=ago(601)), NOW,
+                  GRACE).status.last_failure.reason == "StartupTimeout"  # fmt: skip
+
+
 def test_startup_timeout_bounds_the_wait_for_the_first_report():
     job = running(running_for=700).spec("failurePolicy.startupTimeoutSeconds", 600)
     plan = decide_on(job)
@@ -244,6 +259,19 @@ def test_a_vanished_pod_waits_briefly_for_its_deletion_event_then_counts():
     assert decide(running().model(), just, NOW, GRACE).status.phase == "Running"
     gone = decide(running().model(), Observed(pods=pods(1), missing_since={"j-1": ago(6)}), NOW, GRACE)
     assert gone.status.last_failure.reason == "PodDeleted" and gone.status.restarts == 1
+
+
+def test_a_pod_that_went_while_the_operator_was_not_watching_is_a_disruption():
+    """Gone before this process first looked (an eviction during an operator outage): why is not known, so it
+    does not use backoffLimit; a pod seen to vanish later, its deletion event lost, still counts."""
+    away = Observed(pods=pods(1), missing_since={"j-1": ago(6)}, unwatched=frozenset({"j-1"}))
+    job = running(restarts=3).spec("failurePolicy.backoffLimit", 3)
+    plan = decide(job.model(), away, NOW, GRACE)
+    assert plan.status.phase == "Restarting" and plan.status.last_failure.reason == "PodVanished"
+    assert (plan.status.restarts, plan.status.disruptions) == (3, 1)
+    assert "not watching" in plan.status.last_failure.message
+    seen = decide(job.model(), Observed(pods=pods(1), missing_since={"j-1": ago(6)}), NOW, GRACE)
+    assert seen.status.last_failure.reason == "PodDeleted" and seen.status.phase == "Failed"
 
 
 # --- lost nodes ------------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ import json
 import kopf
 
 from sharded_operator import handlers
+from sharded_operator.nodewatch import Gone
 from sharded_operator.reconcile import Context
-from sharded_operator.views import JobView
+from sharded_operator.views import JobView, NodeView, PodView
 
 
 def job(name: str, uid: str, *, phase: str | None = None, host_port: int | None = None, deleting: bool = False,
@@ -49,9 +50,29 @@ def test_a_snapshot_takes_the_job_not_being_deleted_and_the_ports_of_unfinished_
         ("ns", "b"): [JobView.from_job(job("b", "u2", phase="Running", host_port=30001))],
         ("ns", "c"): [JobView.from_job(job("c", "u3", phase="Succeeded", host_port=30002))],
     }  # fmt: skip
-    index = kopf.Memo(jobs=views, job_pods={}, nodes={})
+    index = kopf.Memo(jobs=views, job_pods={}, nodes={}, nodes_gone=Gone())
     snap = handlers.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "a"))
     assert snap.body["metadata"]["uid"] == "new"
     assert snap.host_ports == frozenset({30001})  # a finished job's port is free again
     assert handlers.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "gone")) is None
     assert handlers._job(views, ("ns", "b"))["status"] == {"phase": "Running", "hostPort": 30001}
+
+
+def test_a_snapshot_names_the_nodes_its_pods_are_on_that_the_watch_has_neither_listed_nor_deleted():
+    index = kopf.Memo(jobs={("ns", "a"): [JobView.from_job(job("a", "u1"))]}, nodes={"up": NodeView()},
+                      nodes_gone=Gone(), node_jobs={}, job_pods={("ns", "a"): [
+                          PodView(name=f"a-{i}", index=i, attempt=1, phase="Running", node=node, owner_uid="u1")
+                          for i, node in enumerate(["up", "deleted", "unreported"])]})  # fmt: skip
+    ctx = Context(settings=handlers.SETTINGS, kube=None, nodes_listed=asyncio.Event())
+    handlers.nodes_changed(ctx, handlers.WorkQueue(), index, {"deleted": NodeView(), "gone-and-back": None})
+    handlers.nodes_changed(ctx, handlers.WorkQueue(), index, {"deleted": None, "gone-and-back": NodeView()})
+    assert "deleted" in index.nodes_gone and "gone-and-back" not in index.nodes_gone
+    snap = handlers.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "a"))
+    assert snap.nodes == {"up": NodeView()} and snap.unconfirmed == frozenset({"unreported"})
+
+
+def test_the_deleted_node_names_kept_are_bounded():
+    gone = Gone(kept=3)
+    for i in range(5):
+        gone.add(f"n{i}")
+    assert len(gone) == 3 and "n0" not in gone and "n4" in gone

@@ -6,6 +6,7 @@ ServiceAccount the image tier's."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import subprocess
@@ -121,6 +122,58 @@ print(json.dumps({{"kind": "ExecCredential", "status": {{"token": os.environ["PL
     assert c.token == "from-env1" and c.expires is not None and c.expires < time.time()
     http = Transport(c)
     assert http._current().token == "from-env2"  # expired: the plugin ran again
+
+
+def counted_plugin(tmp_path: Path, body: str) -> dict:
+    """A plugin that counts its runs in `runs` and then runs `body` (with `n`, the run's number, and `soon`,
+    an expiry 30 s away: inside the early-renewal window, so every use of the token asks for a new one)."""
+    return plugin(tmp_path, f"""
+import json, os, sys, pathlib, time, datetime as dt
+p = pathlib.Path({str(tmp_path / "runs")!r}); n = int(p.read_text()) + 1 if p.exists() else 1; p.write_text(str(n))
+soon = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+{body}
+""")
+
+
+def test_a_renewal_that_fails_keeps_the_token_that_still_works_and_is_tried_again_later(tmp_path, monkeypatch):
+    user = counted_plugin(tmp_path, """
+if n > 1:
+    print("the identity provider is down", file=sys.stderr); sys.exit(1)
+print(json.dumps({"kind": "ExecCredential", "status": {"token": "first", "expirationTimestamp": soon}}))
+""")
+    http = Transport(transport.load(str(kubeconfig(tmp_path, user))))
+    assert http._current().token == "first"  # due for renewal; the plugin fails; the token is kept
+    assert http._current().token == "first"  # not run again at once: a failing plugin is not hammered
+    assert (tmp_path / "runs").read_text() == "2"
+    monkeypatch.setattr(transport, "RENEW_RETRY_SECONDS", 0.0)
+    http._retry_at = 0.0
+    assert http._current().token == "first" and (tmp_path / "runs").read_text() == "3"
+    # Once the token has expired, or the API server refused it, the failure is the caller's to see.
+    with pytest.raises(ConfigError, match="identity provider is down"):
+        http._current(stale=http.credentials)
+    monkeypatch.setattr(http, "credentials", dataclasses.replace(http.credentials, expires=time.time() - 1))
+    with pytest.raises(ConfigError, match="identity provider is down"):
+        http._current()
+
+
+def test_no_request_waits_for_a_plugin_while_the_token_still_works(tmp_path):
+    gate = tmp_path / "gate"
+    user = counted_plugin(tmp_path, f"""
+while n > 1 and not pathlib.Path({str(gate)!r}).exists():
+    time.sleep(0.05)
+print(json.dumps({{"kind": "ExecCredential", "status": {{"token": "t" + str(n), "expirationTimestamp": soon}}}}))
+""")
+    http = Transport(transport.load(str(kubeconfig(tmp_path, user))))
+    renewer = threading.Thread(target=http._current)
+    renewer.start()  # runs the plugin, which blocks on the gate
+    while (tmp_path / "runs").read_text() != "2":
+        time.sleep(0.01)
+    # Every other thread (the lease's among them) sends with the current token meanwhile, at once.
+    assert [http._current().token for _ in range(3)] == ["t1"] * 3
+    assert renewer.is_alive()
+    gate.touch()
+    renewer.join(10)
+    assert http.credentials.token == "t2" and (tmp_path / "runs").read_text() == "2"
 
 
 def test_an_exec_plugin_that_fails_shows_its_error(tmp_path):

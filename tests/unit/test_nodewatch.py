@@ -13,9 +13,10 @@ from sharded_operator.nodewatch import STUCK_AFTER, NodeWatch, changes
 from sharded_operator.views import NodeView
 
 
-def node(name: str, rv: str, ready: bool = True, beat: str = "t0") -> dict:
-    cond = {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": "2026-01-01T00:00:00Z",
-            "lastHeartbeatTime": beat}  # fmt: skip
+def node(name: str, rv: str, ready: bool | None = True, beat: str = "t0",
+         since: str = "2026-01-01T00:00:00Z") -> dict:  # fmt: skip
+    status = {True: "True", False: "False", None: "Unknown"}[ready]
+    cond = {"type": "Ready", "status": status, "lastTransitionTime": since, "lastHeartbeatTime": beat}
     return {"metadata": {"name": name, "resourceVersion": rv}, "status": {"conditions": [cond]}}
 
 
@@ -73,6 +74,25 @@ def test_heartbeats_are_counted_not_passed_on_and_readiness_changes_are():
                        ("c", NodeView(ready=True))]  # fmt: skip
     assert len(events) == 5  # the bookmark is not an event
     assert kube.started_from == ["10", "16"]  # the next watch resumes where the last ended
+
+
+def test_not_ready_then_unknown_keeps_the_first_time_the_node_stopped_being_ready():
+    """The node lifecycle controller turns a NotReady node Unknown with a new transition time: nodeLostSeconds
+    counts from when it first went down, through a watch event and a listing alike; Ready starts afresh."""
+    first, later, again = "2026-01-01T00:00:00Z", "2026-01-01T00:00:40Z", "2026-01-01T00:05:00Z"
+    lists = [([node("a", "1", ready=False, since=first)], "10"),
+             ([node("a", "30", ready=None, since=again)], "30")]  # fmt: skip
+    watches = [[
+        ("MODIFIED", node("a", "11", ready=None, since=later)),
+        ("MODIFIED", node("a", "12", ready=True, since=later)),
+        ("MODIFIED", node("a", "13", ready=None, since=again)),
+        ("MODIFIED", node("a", "14", ready=False, since="2026-01-01T00:06:00Z")),
+        Expired("gone"),
+    ]]  # fmt: skip
+    listed, changed, _, _ = run(lists, watches)
+    down = NodeView(ready=False, since=first)
+    assert listed == [{"a": down}, {}]  # the second listing: Unknown since later, still down since `again`
+    assert changed == [("a", NodeView(ready=True)), ("a", NodeView(ready=False, since=again))]
 
 
 def test_a_dropped_watch_resumes_from_the_last_version_seen(monkeypatch):

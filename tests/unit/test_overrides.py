@@ -6,10 +6,12 @@ so the CEL and the Python check are held to one table.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from jobs import make_job
-from sharded_operator import builders
+from sharded_operator import builders, overrides
 from sharded_operator.overrides import ROWS, Allow, forbidden, outside
 from sharded_operator.settings import OperatorSettings
 
@@ -89,3 +91,9 @@ def test_the_infiniband_pod_the_allowlist_admits_is_what_the_builder_renders():
     pod = builders.build_pod(job, 0, 1, OperatorSettings())
     assert pod["spec"]["hostNetwork"] is True
     assert "IPC_LOCK" in pod["spec"]["containers"][0]["securityContext"]["capabilities"]["add"]
+
+
+def test_the_security_model_in_the_docs_lists_exactly_the_tables_rows():
+    """docs/install.md shows the table as overrides.table() renders it: a row added or reworded is documented."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "install.md").read_text()
+    assert overrides.table() in docs, "paste sharded_operator.overrides.table() into docs/install.md's Security model"

@@ -214,21 +214,26 @@ class ProgressDesk:
                 if job is None or job["metadata"]["uid"] != report.uid:
                     job = await self._run(self.kube.get_job, report.namespace, report.name)
                 if job is None or job["metadata"]["uid"] != report.uid:
-                    desk.report = None
+                    desk.report = None  # every report of this UID is refused from now on
                     raise Refusal(403, f"job {report.namespace}/{report.name} with UID {report.uid} is gone")
                 status = ShardedTrainingJobStatus.model_validate(job.get("status") or {})
                 try:
                     fields, events = merge_report(status, report, iso())
                 except Refusal:
-                    desk.report = None
+                    desk.report = None if desk.report is report else desk.report
                     raise
+                if not fields:  # superseded by what status holds: nothing to write
+                    break
                 rv = job["metadata"]["resourceVersion"]
                 if await self._run(self.kube.patch_report, report.namespace, report.name, fields, rv):
                     break
                 job = None
             else:
                 return False
-            desk.report, desk.written_at = None, self.clock()
+            # A report taken while this one was being written is newer: it stays for the next write.
+            if desk.report is report:
+                desk.report = None
+            desk.written_at = self.clock()
             written = ShardedTrainingJobStatus.model_validate({**(job.get("status") or {}), **fields})
             self.metrics.jobs.update(report.uid, report.namespace, report.name, written)
             desk.cursor = (report.attempt, report.run, acknowledged(written, report))

@@ -131,6 +131,8 @@ def merge_report(
     if report.attempt != status.attempt:
         raise Refusal(403, f"the report is about attempt {report.attempt}; the job is at attempt {status.attempt}")
     old = status.progress
+    if superseded(old, report):
+        return {}, []  # status already holds a newer one (another replica wrote it): nothing goes backwards
     same = old is not None and (old.attempt, old.step, old.updated_at) == (report.attempt, report.step,
                                                                            report.updated_at)  # fmt: skip
     progress = Progress(
@@ -163,6 +165,19 @@ def merge_report(
         for k, v in patch.items()
     }  # fmt: skip
     return dump, events
+
+
+def superseded(old: Progress | None, report: ProgressReport) -> bool:
+    """Whether status already holds a newer report of this attempt than `report`: a later step of the same
+    trainer process (or the same step, later), or any report of a process that started after it. Replicas
+    take reports side by side; one holding an older report must not write it over a newer one."""
+    if old is None or old.attempt != report.attempt:
+        return False
+    new, before = parse_iso(report.updated_at), parse_iso(old.updated_at)
+    if old.run in (None, report.run):
+        return report.step < old.step or (report.step == old.step and new is not None and before is not None
+                                          and new < before)  # fmt: skip
+    return new is not None and before is not None and new < before  # a late report of an earlier process
 
 
 def restarted_in_place(old: Progress | None, report: ProgressReport) -> bool:

@@ -4,15 +4,17 @@ them; liveness; and the Lease arithmetic of leader election. The same checks aga
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import json
+import threading
 
 import pytest
 
 from jobs import make_job
 from sharded_operator.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, claim, micro_time
-from sharded_operator.intake import Bucket, TTLCache
+from sharded_operator.intake import Bucket, ProgressDesk, TTLCache
 from sharded_operator.models import LABEL_ATTEMPT, LABEL_JOB, ShardedTrainingJobStatus
 from sharded_operator.progress import (
     POD_NAME_EXTRA,
@@ -25,10 +27,12 @@ from sharded_operator.progress import (
     precheck,
     sender_from_review,
 )
-from sharded_operator.web import Health
+from sharded_operator.settings import OperatorSettings
+from sharded_operator.web import Health, Metrics
 from sharded_trainer.contract import ProgressReport, TrainerEventType, iso
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+CKPT_8, CKPT_9 = ({"step": n, "path": f"/checkpoints/step-{n:08d}", "time": "2026-01-01T00:00:00Z"} for n in (8, 9))
 AUD = "training.sharded.dev/progress"
 
 
@@ -210,6 +214,70 @@ def test_in_place_restarts_are_counted_once_each_over_every_attempt():
     next_attempt = status(attempt=2, inPlaceRestarts=4, progress=twice["progress"])
     fresh, _ = merge_report(next_attempt, report(attempt=2, run="r4", step=1, updatedAt=later[4]), iso(NOW))
     assert "inPlaceRestarts" not in fresh  # a new attempt's first process is a gang restart, counted apart
+
+
+def test_a_report_older_than_what_status_holds_changes_nothing():
+    """Two replicas take reports side by side: the one holding an older report (an earlier step, or the last
+    report of a process that has since been restarted in place) must not move status backwards, nor count
+    the restart a second time when the newer process reports again."""
+    t = [iso(NOW + dt.timedelta(seconds=s)) for s in range(0, 100, 10)]
+    newer, _ = merge_report(status(), report(step=9, updatedAt=t[2], lastCheckpoint=CKPT_9), iso(NOW))
+    held = status(progress=newer["progress"], lastCheckpoint=newer["lastCheckpoint"])
+    assert merge_report(held, report(step=8, updatedAt=t[1], lastCheckpoint=CKPT_8), iso(NOW)) == ({}, [])
+    assert merge_report(held, report(step=9, updatedAt=t[1]), iso(NOW)) == ({}, [])
+    assert merge_report(held, report(step=10, updatedAt=t[3]), iso(NOW))[0]["progress"]["step"] == 10
+    restarted, _ = merge_report(held, report(run="r2", step=3, updatedAt=t[4]), iso(NOW))
+    after = status(inPlaceRestarts=restarted["inPlaceRestarts"], progress=restarted["progress"])
+    late = report(run="r1", step=9, updatedAt=t[3], events=[event(1)])
+    assert merge_report(after, late, iso(NOW)) == ({}, [])  # no step back, no event of the dead process again
+    again, _ = merge_report(after, report(run="r2", step=4, updatedAt=t[5]), iso(NOW))
+    assert "inPlaceRestarts" not in again
+
+
+class SlowKube:
+    """The API as the progress desk uses it, with a report's write held until `gate` opens."""
+
+    def __init__(self):
+        self.job = {"metadata": {"uid": "uid-j", "namespace": "default", "name": "j", "resourceVersion": "1"},
+                    "status": {"attempt": 1, "phase": "Running"}}  # fmt: skip
+        self.gate, self.entered, self.written = threading.Event(), threading.Event(), []
+
+    def issuer_discovery(self):
+        return None
+
+    issuer_keys = issuer_discovery
+
+    def get_job(self, namespace, name):
+        return self.job
+
+    def patch_report(self, namespace, name, fields, rv):
+        self.entered.set()
+        assert self.gate.wait(10)
+        self.written.append(fields["progress"]["step"])
+        meta = {**self.job["metadata"], "resourceVersion": str(int(rv) + 1)}
+        self.job = {"metadata": meta, "status": {**self.job["status"], **fields}}
+        return True
+
+    def event(self, *args):
+        pass
+
+
+def test_a_report_taken_while_another_is_being_written_is_written_after_it_never_dropped():
+    """The final report arrives while the previous one's write is in flight: it is the one that must land."""
+    kube = SlowKube()
+    desk = ProgressDesk(kube, OperatorSettings(progress_write_seconds=10), Metrics())
+
+    async def scenario():
+        first = asyncio.create_task(desk._accept(report(step=5, totalSteps=6)))
+        assert await asyncio.to_thread(kube.entered.wait, 5)  # its write is in flight
+        last = asyncio.create_task(desk._accept(report(step=6, totalSteps=6)))
+        await asyncio.sleep(0.1)  # taken, waiting for the write before it
+        kube.gate.set()
+        return await asyncio.gather(first, last)
+
+    answers = asyncio.run(scenario())
+    assert kube.written == [5, 6] and [a["written"] for a in answers] == [True, True]
+    assert kube.job["status"]["progress"]["step"] == 6 and desk.jobs["uid-j"].report is None
 
 
 # --- bounded state -------------------------------------------------------------------------------

@@ -23,13 +23,14 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
 
 from sharded_operator import election, transport, web
-from sharded_operator.intake import ProgressDesk
+from sharded_operator.intake import PROGRESS_THREADS, ProgressDesk
 from sharded_operator.k8s import Kube
 from sharded_operator.memory import TRIM_SECONDS, Trimmer
 from sharded_operator.models import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
@@ -208,20 +209,24 @@ async def resync(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks,
 
 
 async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks, logger: logging.Logger) -> None:
-    """Acquire or renew the Lease every few seconds; on becoming the holder, look at every job."""
+    """Acquire or renew the Lease every few seconds; on becoming the holder, look at every job. On a thread
+    and a connection of its own, with short timeouts: no reconcile, progress report or token renewal of the
+    other threads can hold a renewal up."""
     cfg, loop = ctx.settings, asyncio.get_running_loop()
+    kube = Kube.connect(connections=1, timeout=election.REQUEST_SECONDS)
+    pool, seen = ThreadPoolExecutor(1, thread_name_prefix="lease"), election.Observed()
     while True:
         ctx.health.beat("election")
-        was = ctx.leadership.leading(_now())
+        was, started = ctx.leadership.leading(_now()), _now()
         try:
             held = await loop.run_in_executor(
-                None, ctx.kube.lease, cfg.lease_namespace, cfg.lease_name,
-                lambda spec: election.claim(spec, cfg.identity, _now()),
+                pool, kube.lease, cfg.lease_namespace, cfg.lease_name,
+                lambda spec: election.claim(spec, cfg.identity, _now(), seen, time.monotonic()),
             )  # fmt: skip
         except Exception:  # the API server away: keep acting only until the renew deadline
             logger.exception("renewing the Lease failed")
             held = False
-        ctx.leadership.record(held, _now())
+        ctx.leadership.record(held, started, _now())
         if (leading := ctx.leadership.leading(_now())) != was:
             logger.warning("%s the Lease %s", "holding" if leading else "lost", cfg.lease_name)
             # Another replica wrote meanwhile, or writes from now on: only what the watch shows is believed.
@@ -287,10 +292,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     settings.peering.standalone = True
     metrics = web.Metrics(cfg.metrics_max_jobs)
     # A connection for each thread that may send at once: the reconcilers, their creators (twice as many),
-    # the node watch, and the loop's default executor (the lease, progress writes).
+    # the node watch, the loop's default executor, and the progress work's threads (the Lease has its own).
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(API_THREADS, thread_name_prefix="api"))
     kube = Kube.connect(on_request=lambda method, resource: metrics.api_requests.labels(method, resource).inc(),
-                        connections=3 * cfg.reconcile_workers + 1 + API_THREADS)  # fmt: skip
+                        connections=3 * cfg.reconcile_workers + 1 + API_THREADS + PROGRESS_THREADS)  # fmt: skip
     ctx = memo.ctx = Context(settings=cfg, kube=kube, metrics=metrics)
     ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
     ctx.health = web.Health(cfg.stuck_seconds)

@@ -19,6 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,10 @@ from sharded_trainer.contract import MAX_REPORT_BYTES, ProgressReport, iso
 
 logger = logging.getLogger("sharded_operator.intake")
 IDLE_SECONDS = 600  # per-job and per-pod state not touched for this long is dropped
+# The progress work's own threads (pod reads, report writes, events): apart from the reconcilers' and the
+# Lease's, so that neither waits behind reports. Past MAX_PENDING calls waiting, reports are shed (503).
+PROGRESS_THREADS = 8
+MAX_PENDING = 64
 
 
 class TTLCache:
@@ -115,9 +120,20 @@ class ProgressDesk:
         self.review_budget = Bucket(settings.token_reviews_per_second, settings.token_reviews_per_second * 2, clock)
         self.per_pod: dict[str, tuple[float, Bucket]] = {}  # verified pod uid -> (last used, its bucket)
         self.jobs: dict[str, JobDesk] = {}
+        self.pool = ThreadPoolExecutor(PROGRESS_THREADS, thread_name_prefix="progress")
+        self.pending = 0  # API calls of the progress work in flight or queued
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        """`fn(*args)` on the progress work's own threads. Past `MAX_PENDING` calls in flight or queued the
+        report is shed with 503 (the trainer sends the next one a few seconds later): a slow API server
+        queues a bounded amount of progress work, and none of it ahead of anything else's."""
+        if self.pending >= MAX_PENDING:
+            raise Refusal(503, "the operator is busy; try again")
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.pending -= 1
 
     async def take(self, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
         """The answer to one POST: (HTTP status, JSON body). Nothing changes unless it is 200."""

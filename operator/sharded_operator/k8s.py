@@ -92,13 +92,16 @@ class Kube:
 
     @classmethod
     def connect(
-        cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None, connections: int = 0
-    ) -> Kube:
+        cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None, connections: int = 10,
+        timeout: float = 60.0,
+    ) -> Kube:  # fmt: skip
         """The explicit kubeconfig, else the in-cluster account, else $KUBECONFIG. `connections`: how many
         requests the caller's threads may have in flight at once; `on_request(method, resource)` is told of
-        every request sent (the operator counts them in its metrics)."""
+        every request sent (the operator counts them in its metrics); `timeout`: seconds to connect and to
+        wait for each read."""
         counted = None if on_request is None else (lambda method, url: on_request(method, resource_of(url)))
-        return cls(Transport(load(kubeconfig), connections=max(connections, 10), on_request=counted), kubeconfig)
+        http = Transport(load(kubeconfig), connections=max(connections, 1), on_request=counted, timeout=timeout)
+        return cls(http, kubeconfig)
 
     @property
     def namespace(self) -> str | None:

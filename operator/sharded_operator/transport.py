@@ -330,7 +330,7 @@ class Transport:
             try:
                 resp = self.pool.request(
                     method, credentials.server + url, body=data, headers=headers, preload_content=False,
-                    timeout=urllib3.Timeout(connect=10.0, read=read), redirect=False,
+                    timeout=urllib3.Timeout(connect=min(10.0, self.timeout), read=read), redirect=False,
                 )  # fmt: skip
             except urllib3.exceptions.HTTPError as e:
                 raise Unreachable(f"{method} {path}: {e}") from e

@@ -4,6 +4,7 @@ with no duplicate pods, events or restarts. (The session's own operator leaves `
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 
 import pytest
@@ -102,3 +103,31 @@ def test_the_standby_takes_over_when_the_active_replica_is_killed(cluster, core,
     assert running("first", 2)[1]["restarts"] == 0  # the first job was left as it was
     reasons = [e.reason for e in core.list_namespaced_event(ha_namespace).items if e.involved_object.name == "second"]
     assert reasons.count("Creating") <= 1 and reasons.count("Running") == 1, reasons  # none twice
+
+
+def test_a_standby_times_the_lease_by_its_own_clock_whatever_the_holders_clock_says(cluster, core, ha_namespace,
+                                                                                    tmp_path):  # fmt: skip
+    """The holder's clock runs 10 s behind: its renewTime looks 10 s old the moment it is written. A holder
+    acts for RENEW_DEADLINE after its last renewal; a standby that compared renewTime with its own clock
+    would take over 5 s after it, while the holder still acts. Timed from when it saw the record change, it
+    waits the Lease's whole duration."""
+    from kubernetes import client
+
+    from sharded_operator.election import RENEW_DEADLINE, micro_time
+
+    coordination = client.CoordinationV1Api(core.api_client)
+    skewed = micro_time(dt.datetime.now(dt.UTC) - dt.timedelta(seconds=10))
+    spec = {"holderIdentity": "skewed-holder", "leaseDurationSeconds": LEASE_SECONDS, "acquireTime": skewed,
+            "renewTime": skewed, "leaseTransitions": 1}  # fmt: skip
+    coordination.create_namespaced_lease(ha_namespace, {"metadata": {"name": LEASE}, "spec": spec})
+    renewed = time.monotonic()  # the holder's last renewal: it acts until renewed + RENEW_DEADLINE
+    standby = OperatorProcess(cluster.kubeconfig, tmp_path / "standby.log", IDENTITY="standby", NAMESPACES=ha_namespace,
+                              LEASE_NAME=LEASE, LEASE_NAMESPACE=ha_namespace, IGNORE_NAMESPACES="kube-system").start()
+    try:
+        wait_for(lambda: holder(coordination, ha_namespace) == "standby", timeout=LEASE_SECONDS * 3, interval=0.1,
+                 what="the standby holding the Lease")  # fmt: skip
+        took = time.monotonic() - renewed
+        print(f"taken {took:.1f}s after the skewed holder's last renewal")
+        assert took >= RENEW_DEADLINE, f"taken {took:.1f}s after the last renewal, while the holder still acted"
+    finally:
+        standby.stop()

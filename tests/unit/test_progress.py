@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from jobs import make_job
-from sharded_operator.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, claim, micro_time
-from sharded_operator.intake import Bucket, ProgressDesk, TTLCache
+from sharded_operator.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, Observed, claim, micro_time
+from sharded_operator.intake import MAX_PENDING, Bucket, ProgressDesk, TTLCache
 from sharded_operator.models import LABEL_ATTEMPT, LABEL_JOB, ShardedTrainingJobStatus
 from sharded_operator.progress import (
     POD_NAME_EXTRA,
@@ -280,6 +280,17 @@ def test_a_report_taken_while_another_is_being_written_is_written_after_it_never
     assert kube.job["status"]["progress"]["step"] == 6 and desk.jobs["uid-j"].report is None
 
 
+def test_progress_work_runs_on_its_own_threads_and_is_shed_past_its_bound():
+    """A slow API server queues a bounded amount of progress work, on threads nothing else needs (the Lease
+    renews on its own); past the bound a report is refused with 503, and the trainer sends the next one."""
+    desk = ProgressDesk(SlowKube(), OperatorSettings(), Metrics())
+    assert asyncio.run(desk._run(lambda: threading.current_thread().name)).startswith("progress")
+    desk.pending = MAX_PENDING
+    with pytest.raises(Refusal) as refused:
+        asyncio.run(desk._run(lambda: None))
+    assert refused.value.status == 503
+
+
 # --- bounded state -------------------------------------------------------------------------------
 
 
@@ -316,28 +327,52 @@ def test_health_fails_once_a_loop_stops_beating():
 # --- leader election ----------------------------------------------------------------------------
 
 
-def test_a_lease_is_taken_when_free_or_expired_and_kept_by_its_holder():
-    held = claim(None, "a", NOW)
+def test_a_lease_is_taken_when_free_or_unchanged_for_its_duration_as_the_standby_saw_it():
+    a, b = Observed(), Observed()
+    held = claim(None, "a", NOW, a, 0.0)
     assert held["holderIdentity"] == "a" and held["leaseTransitions"] == 1
+    assert claim(held, "b", NOW, b, 500.0) is None  # first seen now: valid for its duration from now
+    assert claim(held, "b", NOW, b, 500.0 + LEASE_SECONDS - 0.1) is None
     later = NOW + dt.timedelta(seconds=5)
-    assert claim(held, "b", later) is None  # a's lease is still valid
-    renewed = claim(held, "a", later)
+    renewed = claim(held, "a", later, a, 5.0)
     assert renewed["acquireTime"] == held["acquireTime"] and renewed["renewTime"] == micro_time(later)
-    expired = NOW + dt.timedelta(seconds=LEASE_SECONDS + 1)
-    taken = claim(held, "b", expired)
+    taken = claim(held, "b", NOW, b, 500.0 + LEASE_SECONDS)
     assert taken["holderIdentity"] == "b" and taken["leaseTransitions"] == 2
+
+
+def test_a_skewed_clock_never_lets_the_standby_take_a_lease_that_is_being_renewed():
+    """The holder's clock 10 s behind the standby's: its renewTime always looks 10 s old, more than the
+    deadline. The standby goes by the record changing under its own eyes, and waits."""
+    a, b = Observed(), Observed()
+    record = None
+    for i in range(20):  # renewed every 2 s; the standby looks in between
+        record = claim(record, "a", NOW + dt.timedelta(seconds=2 * i), a, 2.0 * i)
+        assert claim(record, "b", NOW + dt.timedelta(seconds=2 * i + 11), b, 2.0 * i + 1) is None
+    last = 2.0 * 19 + 1
+    assert claim(record, "b", NOW, b, last + LEASE_SECONDS - 1.1) is None
+    assert claim(record, "b", NOW, b, last + LEASE_SECONDS)["holderIdentity"] == "b"
 
 
 def test_a_holder_that_cannot_renew_stops_acting_before_another_may_take_over():
     me = Leadership("a")
     assert not me.leading(NOW)
-    me.record(True, NOW)
+    me.record(True, NOW, NOW)
     assert me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE - 1))
-    me.record(False, NOW + dt.timedelta(seconds=RENEW_DEADLINE - 1))  # a failed renewal, still in time
+    # a failed renewal, still in time
+    me.record(False, NOW + dt.timedelta(seconds=RENEW_DEADLINE - 2), NOW + dt.timedelta(seconds=RENEW_DEADLINE - 1))
     assert me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE - 1))
     assert not me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE))
     assert RENEW_DEADLINE < LEASE_SECONDS  # stops before the lease can pass to another replica
     assert Leadership("a", enabled=False).leading(NOW)  # a single replica always acts
+
+
+def test_the_holders_deadline_runs_from_before_its_request_not_from_a_slow_answer():
+    """A renewal sent at NOW that the API server answered 6 s later: the standby may have seen the record
+    change at any moment after NOW, so the holder acts only until NOW + RENEW_DEADLINE."""
+    me = Leadership("a")
+    me.record(True, NOW, NOW + dt.timedelta(seconds=6))
+    assert me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE - 0.1))
+    assert not me.leading(NOW + dt.timedelta(seconds=RENEW_DEADLINE))
 
 
 def test_a_change_of_only_the_reported_fields_does_not_cause_a_reconcile():

@@ -42,12 +42,19 @@ from sharded_trainer.durability import (
     flush_and_describe,
     fsync_path,
     owned_files,
-    remove_checkpoint,
     rng_file,
     share_of,
     verify,
 )
-from sharded_trainer.fence import claim_generation, newest_generation
+from sharded_trainer.fence import (
+    ASIDE_INFIX,
+    Superseded,
+    claim_generation,
+    committed_by,
+    install,
+    newest_generation,
+    remove,
+)
 from sharded_trainer.process_group import DistEnv
 
 
@@ -80,11 +87,14 @@ def is_committed(directory: Path) -> bool:
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Steps with a committed checkpoint under `root`, oldest first."""
+    """Steps with a committed checkpoint under `root`, oldest first: by the writer generation that committed
+    them, then by step. The newest generation resumed from what was there when it started; a checkpoint an
+    older, stalled writer committed after that (even of a later step) is of a line training left behind."""
     if not root.is_dir():
         return []
-    steps = [parse_step_dir(d.name) for d in root.iterdir() if is_committed(d)]
-    return sorted(s for s in steps if s is not None)
+    found = [(committed_by(d), s) for d in root.iterdir() if (s := parse_step_dir(d.name)) is not None
+             and is_committed(d)]  # fmt: skip
+    return [s for _, s in sorted(found)]
 
 
 def newest_committed(root: Path) -> Path | None:
@@ -242,9 +252,10 @@ class CheckpointManager:
             marker = {"step": step, "time": committed_at, "generation": self.generation, "files": files}
             _write_atomic(writing / MARKER, json.dumps(marker).encode())
             fsync_path(writing)
-            if directory.exists():  # an older save at this step, committed or not: the newer one wins
-                shutil.rmtree(directory)
-            os.replace(writing, directory)
+            try:  # over an older save at this step, committed or not; never over a newer generation's
+                install(writing, directory, self.generation)
+            except Superseded as e:
+                raise self._fenced(e.newer, step) from None
             fsync_path(self.root)
             self._purge()
         self.last_committed = {"step": step, "path": str(directory), "time": committed_at}
@@ -264,10 +275,12 @@ class CheckpointManager:
             if s is None:
                 if sweep_writing:
                     self._purge_writing(d)
+                if ASIDE_INFIX in d.name and committed_by(d) <= self.generation:
+                    shutil.rmtree(d, ignore_errors=True)  # moved aside to be removed, then interrupted
                 continue
             committed = is_committed(d)
             if committed and s not in keep:
-                remove_checkpoint(d)
+                remove(d, self.generation)  # a newer generation's is never this writer's to remove
             elif not committed and s < newest:
                 shutil.rmtree(d, ignore_errors=True)
 

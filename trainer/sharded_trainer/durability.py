@@ -99,18 +99,3 @@ def verify(directory: Path, files: dict[str, list[int]], share: Iterable[str]) -
 def share_of(names: Iterable[str], rank: int, world: int) -> list[str]:
     """This rank's part of a verification: every world-th file, so the reads are spread over the ranks."""
     return [n for i, n in enumerate(sorted(names)) if i % world == rank]
-
-
-def remove_checkpoint(directory: Path) -> None:
-    """Uncommit first (the marker, made durable), then delete the files: a removal interrupted half way
-    leaves an uncommitted directory, which is never loaded and is swept at the next start."""
-    marker = directory / MARKER
-    if marker.exists():
-        marker.unlink()
-        fsync_path(directory)
-    for path in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if path.is_dir():
-            path.rmdir()
-        else:
-            path.unlink(missing_ok=True)
-    directory.rmdir()

@@ -114,7 +114,7 @@ class ProgressDesk:
         self.issuer = IssuerKeys(kube.issuer_discovery, kube.issuer_keys, clock)
         self._refreshing = asyncio.Lock()
         self.verified = TTLCache(4096, 60, clock)  # token digest -> the Sender it proved
-        self.failing = False  # the last write of a report failed (the API server away): status lags behind
+        self.failing = False  # a write of a report failed at the last flush (the API server away): status lags
         self.reviews = TTLCache(4096, 60, clock)  # token digest -> Sender or Refusal (TokenReview only)
         self.pods = TTLCache(4096, 5, clock)  # pod uid -> the pod as last read
         self.review_budget = Bucket(settings.token_reviews_per_second, settings.token_reviews_per_second * 2, clock)
@@ -260,11 +260,11 @@ class ProgressDesk:
     async def flush(self) -> None:
         """Write reports whose interval has passed, and drop state of jobs and pods gone quiet."""
         now = self.clock()
+        self.failing = False  # a failed write leaves its report pending: the next flush tries it again
         for uid, desk in list(self.jobs.items()):
             if desk.report is not None and now - desk.written_at >= self.settings.progress_write_seconds:
                 try:
                     await self.write(uid)
-                    self.failing = False
                 except Refusal as r:
                     logger.info("report for job %s dropped: %s", uid, r.reason)
                 except Exception:  # the API server away: the next flush tries again

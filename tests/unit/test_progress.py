@@ -14,7 +14,7 @@ import pytest
 
 from jobs import make_job
 from sharded_operator.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, Observed, claim, micro_time
-from sharded_operator.intake import MAX_PENDING, Bucket, ProgressDesk, TTLCache
+from sharded_operator.intake import MAX_PENDING, Bucket, JobDesk, ProgressDesk, TTLCache
 from sharded_operator.models import LABEL_ATTEMPT, LABEL_JOB, ShardedTrainingJobStatus
 from sharded_operator.progress import (
     POD_NAME_EXTRA,
@@ -289,6 +289,32 @@ def test_progress_work_runs_on_its_own_threads_and_is_shed_past_its_bound():
     with pytest.raises(Refusal) as refused:
         asyncio.run(desk._run(lambda: None))
     assert refused.value.status == 503
+
+
+def test_a_flush_whose_writes_fail_says_so_until_one_lands_and_hearing_stops_meanwhile():
+    """Reports taken but not written (the API server away) leave status behind what the pods said: the desk
+    says so, and the operator's hearing (what the hang timers count) stops until writes land again."""
+    from sharded_operator.election import Hearing
+
+    kube = SlowKube()
+    kube.gate.set()
+    desk = ProgressDesk(kube, OperatorSettings(progress_write_seconds=0), Metrics())
+    desk.jobs["uid-j"] = JobDesk(report=report(step=5))
+    down = kube.patch_report
+    kube.patch_report = lambda *a: (_ for _ in ()).throw(ConnectionError("the API server is away"))
+    asyncio.run(desk.flush())
+    assert desk.failing and desk.jobs["uid-j"].report is not None  # kept for the next flush
+    hearing = Hearing()
+    hearing.hearing(NOW)
+    hearing.deaf()
+    assert hearing.since is None
+    kube.patch_report = down
+    asyncio.run(desk.flush())
+    assert not desk.failing and kube.written == [5]
+    hearing.hearing(NOW + dt.timedelta(seconds=30))
+    assert hearing.since == NOW + dt.timedelta(seconds=30)  # the timers start again from here
+    asyncio.run(desk.flush())  # nothing left to write: nothing failing
+    assert not desk.failing
 
 
 # --- bounded state -------------------------------------------------------------------------------

@@ -142,6 +142,20 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
         for pod_name in [n for n, v in departed.items() if v.attempt < plan.status.attempt]:
             del departed[pod_name]
 
+        before = job.status
+        old = owned(before.model_dump(by_alias=True, exclude_none=True, mode="json"))
+        has_status = bool(body.get("status"))
+        # 0. a decision that deletes pods is written before the deletes: an operator that dies between them
+        #    leaves a status that says why the pods went (a restart for a failure is counted, not taken by
+        #    the next process for a pod that vanished while nobody watched)
+        if plan.delete or plan.force_delete or plan.delete_store:
+            new = owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
+            if new != old:
+                if not ctx.kube.patch_status(namespace, name, new, uid=uid, before=old if has_status else None):
+                    logger.info("the job was replaced while it was being reconciled: its status is the new one's")
+                    return None
+                ctx.recent.status_written(uid, new)
+                old, has_status = new, True
         # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods), and force
         #    out pods a lost node will never confirm gone
         #    Each by the UID observed: a decision from this listing never touches a newer pod of the same name.
@@ -188,14 +202,10 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
             if held or refusal:
                 again = now + dt.timedelta(seconds=HELD_SECONDS if held else REFUSED_SECONDS)
                 due = min(due or again, again)
-        # 3. one status write, only when something changed
+        # 3. the status write (the rest of it after step 0), only when something changed
         #    (the fields progress reports write are theirs: this patch never names them)
-        before = job.status
-        old = owned(before.model_dump(by_alias=True, exclude_none=True, mode="json"))
         new = owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
-        written = new == old or ctx.kube.patch_status(
-            namespace, name, new, uid=uid, before=old if body.get("status") else None
-        )
+        written = new == old or ctx.kube.patch_status(namespace, name, new, uid=uid, before=old if has_status else None)
         if not written:
             logger.info("the job was replaced while it was being reconciled: its status is the new one's to write")
             return None

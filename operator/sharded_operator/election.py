@@ -28,15 +28,6 @@ def micro_time(t: dt.datetime) -> str:
     return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def parse_micro_time(value: str | None) -> dt.datetime | None:
-    if not value:
-        return None
-    try:
-        return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
 class Observed:
     """The Lease record as this replica last saw it change, and when, by its own monotonic clock."""
 

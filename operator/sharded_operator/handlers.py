@@ -235,11 +235,10 @@ async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks, 
             looks.last.clear()
             if leading:
                 ctx.hearing.hearing(_now())
-            else:
-                ctx.hearing.deaf()
-            if leading:
                 for key in list(index.jobs):
                     queue.add(key)
+            else:
+                ctx.hearing.deaf()
         await asyncio.sleep(election.RETRY_SECONDS)
 
 

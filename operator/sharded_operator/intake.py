@@ -236,7 +236,8 @@ class ProgressDesk:
                 try:
                     fields, events = merge_report(status, report, iso())
                 except Refusal:
-                    desk.report = None if desk.report is report else desk.report
+                    if desk.report is report:  # a newer one taken meanwhile is judged on its own
+                        desk.report = None
                     raise
                 if not fields:  # superseded by what status holds: nothing to write
                     break

@@ -199,11 +199,11 @@ class Kube:
         return self.http.json("GET", path("api/v1", namespace, "pods"), query={"labelSelector": training_pods(job)})[
             "items"]  # fmt: skip
 
-    @retrying
     def get_node(self, name: str) -> dict[str, Any] | None:
         """One attempt, no retries: a caller that cannot tell waits for the node watch instead."""
         return self._get(path("api/v1", None, "nodes", name))
 
+    @retrying
     def list_nodes(self) -> tuple[list[dict[str, Any]], str]:
         """Every node and the list's resourceVersion, from which a watch misses nothing."""
         body = self.http.json("GET", "/api/v1/nodes")

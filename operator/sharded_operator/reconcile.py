@@ -145,17 +145,26 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
         before = job.status
         old = owned(before.model_dump(by_alias=True, exclude_none=True, mode="json"))
         has_status = bool(body.get("status"))
+
+        def record() -> bool:
+            """Write the owned status fields the decision changed since the last write; False: the job was
+            replaced meanwhile (its status is the new one's to write)."""
+            nonlocal old, has_status
+            new = owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
+            if new == old:
+                return True
+            if not ctx.kube.patch_status(namespace, name, new, uid=uid, before=old if has_status else None):
+                logger.info("the job was replaced while it was being reconciled: its status is the new one's to write")
+                return False
+            ctx.recent.status_written(uid, new)
+            old, has_status = new, True
+            return True
+
         # 0. a decision that deletes pods is written before the deletes: an operator that dies between them
         #    leaves a status that says why the pods went (a restart for a failure is counted, not taken by
         #    the next process for a pod that vanished while nobody watched)
-        if plan.delete or plan.force_delete or plan.delete_store:
-            new = owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
-            if new != old:
-                if not ctx.kube.patch_status(namespace, name, new, uid=uid, before=old if has_status else None):
-                    logger.info("the job was replaced while it was being reconciled: its status is the new one's")
-                    return None
-                ctx.recent.status_written(uid, new)
-                old, has_status = new, True
+        if (plan.delete or plan.force_delete or plan.delete_store) and not record():
+            return None
         # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods), and force
         #    out pods a lost node will never confirm gone
         #    Each by the UID observed: a decision from this listing never touches a newer pod of the same name.
@@ -204,13 +213,8 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
                 due = min(due or again, again)
         # 3. the status write (the rest of it after step 0), only when something changed
         #    (the fields progress reports write are theirs: this patch never names them)
-        new = owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
-        written = new == old or ctx.kube.patch_status(namespace, name, new, uid=uid, before=old if has_status else None)
-        if not written:
-            logger.info("the job was replaced while it was being reconciled: its status is the new one's to write")
+        if not record():
             return None
-        if new != old:
-            ctx.recent.status_written(uid, new)
         # 4. events and metrics for what changed, once the status that records it is written: a
         #    reconcile that fails before this point is retried and must not repeat them
         for type_, reason, message in plan.events:

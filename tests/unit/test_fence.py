@@ -81,3 +81,16 @@ def test_the_newest_generations_line_is_resumed_even_when_a_stale_writer_committ
     (legacy / step_dir_name(10) / MARKER).write_text("{}")
     install(save(legacy, 20, 1), legacy / step_dir_name(20), 1)
     assert committed_steps(legacy) == [10, 20] and committed_by(legacy / step_dir_name(10)) == 0
+
+
+@pytest.mark.parametrize("marker", ["not json", "[1, 2]", '{"generation": "9"}', '{"generation": true}',
+                                    '{"generation": -3}', '{"generation": 1e30}', ""])  # fmt: skip
+def test_a_marker_another_attempt_wrote_badly_claims_no_generation(tmp_path, marker):
+    """A marker is read from the claim, written by any attempt: what it says about its generation counts only
+    when it is a plain positive integer, so a mangled one can neither win the resume nor fence a writer."""
+    target = tmp_path / step_dir_name(40)
+    install(save(tmp_path, 40, 1), target, 1)
+    (target / MARKER).write_text(marker)
+    assert committed_by(target) == 0
+    install(save(tmp_path, 40, 2), target, 2)  # any generation may replace it
+    assert committed_by(target) == 2

@@ -72,7 +72,8 @@ def committed_by(directory: Path) -> int:
         generation = json.loads((directory / MARKER).read_text()).get("generation")
     except (OSError, ValueError, AttributeError):
         return 0
-    return generation if isinstance(generation, int) and generation > 0 else 0
+    # Another attempt wrote it: only a plain positive integer counts (JSON `true` is no generation).
+    return generation if type(generation) is int and generation > 0 else 0
 
 
 def take_aside(directory: Path, generation: int) -> Path | None:

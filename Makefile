@@ -4,11 +4,12 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.deps
 
-.PHONY: help lock setup binaries images deps test test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
+.PHONY: help lock setup binaries images deps test test-quick test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
 
 help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
 	@echo "make test    - install everything needed, then lint and run the whole test suite"
+	@echo "make test-quick - lint and the unit tier only (the inner loop; make test stays the whole suite)"
 	@echo "make crds    - regenerate crds/ from the pydantic models"
 	@echo "make lock    - re-resolve requirements/ (the locked dependency set) after editing pyproject.toml"
 	@echo "make soak    - the chaos soak for several seeds: make soak SEEDS=\"1 2 3\" or SEED=1 (default: 5 random ones)"
@@ -54,9 +55,16 @@ crds: setup
 deps:
 	@$(MAKE) --no-print-directory -j2 binaries images
 
+# The whole suite; at the end it prints (and writes to build/suite-times.txt) where the time went, per tier,
+# per module and per expensive fixture, and it refuses to run fewer tests per tier than tests/floor.json.
 test: deps lint
 	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~55 min"
-	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=40
+	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=40 \
+	  --test-floor tests/floor.json --suite-times build/suite-times.txt
+
+# The inner loop: lint and the unit tier (no cluster, no torchrun), a few minutes.
+test-quick: setup binaries lint
+	@$(PY) -m pytest -q -m "not integration and not trainer and not e2e and not soak" tests/unit
 
 SEEDS ?= $(or $(SEED),$(shell for i in 1 2 3 4 5; do echo $$RANDOM$$RANDOM; done))
 soak: setup binaries

@@ -240,6 +240,39 @@ class LocalCluster:
         out.write_text(yaml.safe_dump_all(docs, sort_keys=False))
         return out
 
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "logs" / "audit.jsonl"
+
+    def audit_mark(self) -> int:
+        """Where the audit log ends now: `audit_events(since=...)` reads only what came after."""
+        return self.audit_log.stat().st_size if self.audit_log.exists() else 0
+
+    def audit_events(self, since: int = 0) -> list[dict]:
+        """The audit log's events (writes to jobs, pods and Leases) after offset `since`, oldest first."""
+        if not self.audit_log.exists():
+            return []
+        with open(self.audit_log, "rb") as f:
+            f.seek(since)
+            lines = f.read().decode().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def _audit_policy(self) -> Path:
+        """Metadata (who, what, when, the answer) of the writes to jobs, pods and Leases; nothing else, so the
+        log stays small and costs the API server little."""
+        policy = {
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+            "rules": [
+                {"level": "Metadata", "verbs": ["create", "update", "patch", "delete"],
+                 "resources": [{"group": "training.sharded.dev"}, {"group": "", "resources": ["pods"]},
+                               {"group": "coordination.k8s.io", "resources": ["leases"]}]},
+                {"level": "None"},
+            ],
+        }  # fmt: skip
+        out = self.workdir / "audit-policy.json"
+        out.write_text(json.dumps(policy))
+        return out
+
     def start(self, timeout: float = 120) -> LocalCluster:
         """Start every component, wait until the API server is ready and the GPU nodes are Ready."""
         started = time.monotonic()
@@ -289,6 +322,11 @@ class LocalCluster:
                     "--allow-privileged=true",
                     "--enable-priority-and-fairness=false",
                     "--endpoint-reconciler-type=none",
+                    # Every write to the objects the operator acts on, with who sent it and when it landed:
+                    # what the HA tests read to show that two replicas never act at once.
+                    f"--audit-policy-file={self._audit_policy()}",
+                    f"--audit-log-path={self.audit_log}",
+                    "--audit-log-format=json",
                     "--v=1",
                 ],
             )

@@ -14,6 +14,9 @@ from localstack import CRD_FILE, OperatorProcess, install_crd
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The per-tier time table printed at the end of every run, and the floor under the collected tests.
+pytest_plugins = ["helpers.suite_clock"]
+
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[localcluster.LocalCluster]:

@@ -1,0 +1,142 @@
+"""Where the suite's time goes, and a floor under what it proves.
+
+A pytest plugin loaded by tests/conftest.py. At the end of every run it prints (and writes to
+`--suite-times FILE`) a table of wall time per tier (the folder under tests/), per module, and per
+expensive fixture set-up (control-plane starts, operator starts, torchrun launches, image builds), so
+anyone sees where the minutes are without reading 1,000 `--durations` lines.
+
+With `--test-floor FILE` (passed by `make test`) it also refuses a collection that proves less than the
+recorded floor: the number of collected tests and of test functions per tier may not fall below the
+counts in FILE, so the suite never gets faster by dropping tests. `--test-floor-update` rewrites FILE
+from the current collection (only upwards: a floor never goes down by itself).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+
+# Set-up times below this are noise (a tmp_path, a namespace); the table names only what costs.
+_FIXTURE_FLOOR_S = 2.0
+
+
+def _tier(nodeid: str) -> str:
+    """`tests/trainer/test_x.py::test_y` -> `trainer`, the folder a test lives in."""
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("suite clock")
+    group.addoption("--suite-times", metavar="FILE", help="write the per-tier and per-fixture time table to FILE")
+    group.addoption("--test-floor", metavar="FILE",
+                    help="fail when fewer tests per tier are collected than FILE records")  # fmt: skip
+    group.addoption("--test-floor-update", action="store_true",
+                    help="raise the floor in --test-floor FILE to this collection")  # fmt: skip
+
+
+class SuiteClock:
+    def __init__(self, config):
+        self.config = config
+        self.started = time.monotonic()
+        self.by_tier: dict[str, float] = defaultdict(float)
+        self.by_module: dict[str, float] = defaultdict(float)
+        self.tests_by_tier: dict[str, int] = defaultdict(int)
+        self.fixtures: dict[str, list[float]] = defaultdict(list)
+        self.outcomes: dict[str, int] = defaultdict(int)
+
+    # -- collection: the floor --------------------------------------------------------------------------
+    def pytest_collection_finish(self, session):
+        path = self.config.getoption("--test-floor")
+        if not path:
+            return
+        counts = collected_counts(session.items)
+        floor_file = Path(path)
+        floor = json.loads(floor_file.read_text()) if floor_file.exists() else {}
+        if self.config.getoption("--test-floor-update"):
+            merged = {
+                tier: {k: max(v, floor.get(tier, {}).get(k, 0)) for k, v in c.items()} for tier, c in counts.items()
+            }
+            floor_file.write_text(json.dumps(dict(sorted(merged.items())), indent=2) + "\n")
+            return
+        short = floor_shortfalls(floor, counts)
+        if short:
+            raise pytest.UsageError(
+                "the suite proves less than its recorded floor (" + path + "):\n  " + "\n  ".join(short)
+                + "\nspeed must not come from dropping tests; restore them, or lower the floor in a reviewed commit"
+            )
+
+    # -- timing -----------------------------------------------------------------------------------------
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        t0 = time.monotonic()
+        yield
+        took = time.monotonic() - t0
+        if took >= _FIXTURE_FLOOR_S:
+            param = getattr(request, "param", None)
+            name = fixturedef.argname + (f"[{param}]" if isinstance(param, str | int) else "")
+            self.fixtures[name].append(took)
+
+    def pytest_runtest_logreport(self, report):
+        tier = _tier(report.nodeid)
+        self.by_tier[tier] += report.duration
+        self.by_module[report.nodeid.split("::")[0]] += report.duration
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self.tests_by_tier[tier] += 1
+            self.outcomes[report.outcome] += 1
+
+    def table(self) -> str:
+        wall = time.monotonic() - self.started
+        lines = [f"suite wall time {wall / 60:.1f} min; time inside tests (set-up, call, tear-down) by tier:"]
+        for tier, secs in sorted(self.by_tier.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {tier:<14} {secs / 60:6.1f} min  {self.tests_by_tier[tier]:5d} tests")
+        lines.append("slowest modules:")
+        for mod, secs in sorted(self.by_module.items(), key=lambda kv: -kv[1])[:15]:
+            lines.append(f"  {secs / 60:6.1f} min  {mod}")
+        lines.append(f"fixture set-ups over {_FIXTURE_FLOOR_S:.0f} s (count x mean = total):")
+        for name, times in sorted(self.fixtures.items(), key=lambda kv: -sum(kv[1]))[:25]:
+            lines.append(f"  {len(times):3d} x {sum(times) / len(times):6.1f} s = {sum(times) / 60:5.1f} min  {name}")
+        return "\n".join(lines) + "\n"
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.by_tier:
+            return
+        text = self.table()
+        terminalreporter.write_sep("=", "suite time table")
+        terminalreporter.write(text)
+        path = self.config.getoption("--suite-times")
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+
+
+def collected_counts(items) -> dict[str, dict[str, int]]:
+    """Per tier: how many tests (parametrized cases count one each) and how many test functions."""
+    tests: dict[str, int] = defaultdict(int)
+    functions: dict[str, set[str]] = defaultdict(set)
+    for item in items:
+        tier = _tier(item.nodeid)
+        tests[tier] += 1
+        functions[tier].add(item.nodeid.split("[")[0])
+    return {tier: {"tests": tests[tier], "functions": len(functions[tier])} for tier in tests}
+
+
+def floor_shortfalls(floor: dict, counts: dict) -> list[str]:
+    """Every (tier, kind) whose collected count is below the floor's, as a readable line."""
+    short = []
+    for tier, want in sorted(floor.items()):
+        have = counts.get(tier, {})
+        for kind, n in sorted(want.items()):
+            if have.get(kind, 0) < n:
+                short.append(f"{tier}: {have.get(kind, 0)} {kind} collected, floor {n}")
+    return short
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SuiteClock(config), "suite-clock")

@@ -1,0 +1,29 @@
+"""The suite's floor: fewer tests or test functions in a tier than recorded is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from helpers.suite_clock import collected_counts, floor_shortfalls
+
+
+def _items(*nodeids):
+    return [SimpleNamespace(nodeid=n) for n in nodeids]
+
+
+def test_parametrized_cases_count_as_tests_and_once_as_a_function():
+    counts = collected_counts(_items(
+        "tests/unit/test_a.py::test_x[1]", "tests/unit/test_a.py::test_x[2]", "tests/unit/test_a.py::test_y",
+        "tests/trainer/test_b.py::test_z[fsdp]",
+    ))
+    assert counts == {"unit": {"tests": 3, "functions": 2}, "trainer": {"tests": 1, "functions": 1}}
+
+
+def test_a_tier_below_its_floor_is_named_and_one_at_or_above_passes():
+    floor = {"unit": {"tests": 3, "functions": 2}, "e2e": {"tests": 1, "functions": 1}}
+    counts = {"unit": {"tests": 3, "functions": 1}}
+    assert floor_shortfalls(floor, counts) == [
+        "e2e: 0 functions collected, floor 1", "e2e: 0 tests collected, floor 1",
+        "unit: 1 functions collected, floor 2",
+    ]
+    assert floor_shortfalls(floor, {"unit": {"tests": 9, "functions": 9}, "e2e": {"tests": 1, "functions": 1}}) == []

@@ -55,12 +55,12 @@ crds: setup
 deps:
 	@$(MAKE) --no-print-directory -j2 binaries images
 
-# The whole suite; at the end it prints (and writes to build/suite-times.txt) where the time went, per tier,
-# per module and per expensive fixture, and it refuses to run fewer tests per tier than tests/floor.json.
+# The whole suite, in two lanes side by side (hack/suite.py says why); at the end it prints (and writes to
+# build/suite-times.txt) where the time went, per tier, per module and per expensive fixture, and it refuses
+# to run fewer tests per tier than tests/floor.json.
 test: deps lint
-	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~55 min"
-	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) -m pytest -v --durations=40 \
-	  --test-floor tests/floor.json --suite-times build/suite-times.txt
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~30 min"
+	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) hack/suite.py
 
 # The inner loop: lint and the unit tier (no cluster, no torchrun), a few minutes.
 test-quick: setup binaries lint

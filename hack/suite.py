@@ -1,0 +1,113 @@
+"""The whole test suite in two lanes side by side: what `make test` runs.
+
+The tiers differ in what they wait on (measured on a 2-core machine, the CPU's busy share while each
+ran alone): the trainer tier keeps both cores busy with torchrun's processes (16.5 minutes alone); the
+e2e tier trains real jobs through its own control plane and node agent and leaves a quarter to a half
+of the machine idle while pods start, rendezvous and checkpoint (12 minutes); the integration tier and
+the soak wait on the API server and KWOK with the machine 85-95% idle (9 minutes). So lane 1 runs
+trainer then unit, lane 2 runs e2e, then integration and the soak, each lane its own pytest process (its
+own control plane, its own temporary directory): the waits of one lane are the other's CPU time.
+
+Nothing is dropped for speed: the whole suite is collected first and checked against the floor of
+tests/floor.json, and every collected test must have run in one of the lanes. Each lane's output is
+streamed with its name in front; at the end the per-tier time tables of both lanes are written to
+build/suite-times.txt and the totals are printed as one closing line.
+
+    python hack/suite.py [pytest args...]     # extra args go to both lanes (e.g. -x, -k)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build"
+FLOOR = ROOT / "tests" / "floor.json"
+LANES = {
+    "lane1": ["tests/trainer", "tests/unit"],
+    "lane2": ["tests/e2e", "tests/integration", "tests/soak"],
+}
+
+
+def _pytest(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+
+
+def collected() -> int:
+    """Collect the whole suite once, refusing it below the floor; the number of tests."""
+    out = subprocess.run(_pytest("--collect-only", "-q", "--test-floor", str(FLOOR), *LANES["lane1"], *LANES["lane2"]),
+                         cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    if out.returncode != 0:
+        sys.stdout.write(out.stdout[-5000:] + out.stderr[-5000:])
+        raise SystemExit(out.returncode or 1)
+    last = [line for line in out.stdout.splitlines() if " collected" in line or "tests collected" in line]
+    return int(last[-1].split()[0]) if last else 0
+
+
+def _stream(name: str, proc: subprocess.Popen, log: Path) -> None:
+    with open(log, "w") as f:
+        for line in proc.stdout:
+            f.write(line)
+            f.flush()
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+
+def totals(junit: Path) -> dict[str, int]:
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    n["passed"] = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    return n
+
+
+def main(extra: list[str]) -> int:
+    BUILD.mkdir(exist_ok=True)
+    started = time.monotonic()
+    want = collected()
+    print(f"[suite] {want} tests collected (at or above tests/floor.json); two lanes: "
+          + "; ".join(f"{n}: {' '.join(p)}" for n, p in LANES.items()), flush=True)  # fmt: skip
+    procs, threads = {}, []
+    for name, paths in LANES.items():
+        # A short temporary root of its own (pytest empties it first): tests bind Unix sockets under it.
+        args = _pytest("-v", "--durations=25", f"--basetemp={Path(tempfile.gettempdir()) / ('sharded-' + name)}",
+                       f"--junitxml={BUILD / ('junit-' + name + '.xml')}",
+                       f"--suite-times={BUILD / ('suite-times-' + name + '.txt')}", *paths, *extra)  # fmt: skip
+        procs[name] = p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        threads.append(threading.Thread(target=_stream, args=(name, p, BUILD / f"{name}.log"), daemon=True))
+        threads[-1].start()
+    codes = {name: p.wait() for name, p in procs.items()}
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    tables = [f"== {name}: {' '.join(LANES[name])}\n" + (BUILD / f"suite-times-{name}.txt").read_text()
+              for name in LANES if (BUILD / f"suite-times-{name}.txt").exists()]  # fmt: skip
+    (BUILD / "suite-times.txt").write_text(f"suite wall time {wall / 60:.1f} min in two lanes\n" + "\n".join(tables))
+    print("\n[suite] time table (build/suite-times.txt):\n" + (BUILD / "suite-times.txt").read_text())
+    n = {"passed": 0, "failures": 0, "errors": 0, "skipped": 0, "tests": 0}
+    for name in LANES:
+        junit = BUILD / f"junit-{name}.xml"
+        if junit.exists():
+            for k, v in totals(junit).items():
+                n[k] += v
+    failed = n["failures"] + n["errors"]
+    # With -k or -x a lane runs less on purpose (or nothing: pytest's exit 5 is then no failure).
+    ran_all = n["tests"] >= want or bool(extra)
+    codes = {name: 0 if c == 5 and extra else c for name, c in codes.items()}
+    print(f"[suite] lanes exited {codes}; {n['tests']} of {want} collected tests ran in {wall / 60:.1f} min")
+    if not ran_all:
+        print(f"[suite] {want - n['tests']} collected tests never ran: failing", flush=True)
+    print(f"{n['passed']} passed, {failed} failed, {n['skipped']} skipped", flush=True)
+    return 0 if all(c == 0 for c in codes.values()) and ran_all and failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+import localcluster
 from conftest import wait_for
 from jobs import make_job
-from localstack import OperatorProcess
+from localstack import OperatorProcess, install_crd
 from reports import mint, post
 from sharded_operator.election import LEASE_SECONDS
 from sharded_operator.models import GROUP, PLURAL, VERSION, training_pods
@@ -154,8 +155,22 @@ def _log_time(log: Path, needle: str) -> dt.datetime:
     raise AssertionError(f"{log.name} never says {needle!r}:\n{log.read_text()[-3000:]}")
 
 
-def test_a_slow_holder_with_a_skewed_clock_and_its_successor_never_act_at_once(cluster, core, custom, crd_installed,
-                                                                              ha_namespace, tmp_path):  # fmt: skip
+@pytest.fixture
+def audited():
+    """A control plane of its own whose API server keeps an audit log of the writes (the session's has none:
+    each audited write waits for its line), with the CRD installed, and its clients."""
+    from kubernetes import client, config
+
+    with localcluster.running_cluster(gpu_nodes=2, audit=True) as c:
+        install_crd(c.kubeconfig)
+        api = config.new_client_from_config(config_file=str(c.kubeconfig))
+        core = client.CoreV1Api(api)
+        core.create_namespace({"metadata": {"name": "ha-audit"}})
+        wait_for(lambda: core.read_namespaced_service_account("default", "ha-audit"), what="default SA")
+        yield c, core, client.CustomObjectsApi(api), "ha-audit"
+
+
+def test_a_slow_holder_with_a_skewed_clock_and_its_successor_never_act_at_once(audited, tmp_path):
     """Replica A holds the Lease with its clock 10 s behind; then every byte between it and the API server
     takes 6 s each way, so it cannot renew and B takes over, while a gang fails. The restart is decided once;
     A says it lost the Lease before B says it holds it; none of A's writes lands after B's first (the API
@@ -166,6 +181,7 @@ def test_a_slow_holder_with_a_skewed_clock_and_its_successor_never_act_at_once(c
 
     from helpers.slow_proxy import SlowProxy
 
+    cluster, core, custom, ha_namespace = audited
     coordination, ops = client.CoordinationV1Api(core.api_client), Ops(core, custom, ha_namespace)
     server = json.loads(cluster.kubeconfig.read_text())
     proxy = SlowProxy(("127.0.0.1", cluster.api_port)).start()

@@ -47,7 +47,7 @@ def collected() -> int:
     if out.returncode != 0:
         sys.stdout.write(out.stdout[-5000:] + out.stderr[-5000:])
         raise SystemExit(out.returncode or 1)
-    last = [line for line in out.stdout.splitlines() if " collected" in line or "tests collected" in line]
+    last = [line for line in out.stdout.splitlines() if " collected" in line]
     return int(last[-1].split()[0]) if last else 0
 
 
@@ -76,6 +76,9 @@ def main(extra: list[str]) -> int:
           + "; ".join(f"{n}: {' '.join(p)}" for n, p in LANES.items()), flush=True)  # fmt: skip
     procs, threads = {}, []
     for name, paths in LANES.items():
+        # A lane that dies before writing its results must not be read as the last run's.
+        for stale in (BUILD / f"junit-{name}.xml", BUILD / f"suite-times-{name}.txt"):
+            stale.unlink(missing_ok=True)
         # A short temporary root of its own (pytest empties it first): tests bind Unix sockets under it.
         args = _pytest("-v", "--durations=25", f"--basetemp={Path(tempfile.gettempdir()) / ('sharded-' + name)}",
                        f"--junitxml={BUILD / ('junit-' + name + '.xml')}",

@@ -68,6 +68,17 @@ def totals(junit: Path) -> dict[str, int]:
     return n
 
 
+def failures(junit: Path) -> list[str]:
+    """Each failed or erroring test of a lane's results, with the first line of why: printed last, so the
+    tail of a long run's output still names them."""
+    out = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        for bad in (*case.findall("failure"), *case.findall("error")):
+            why = (bad.get("message") or bad.text or "").strip().splitlines()
+            out.append(f"{case.get('classname')}::{case.get('name')} [{bad.tag}] {why[0][:300] if why else ''}")
+    return out
+
+
 def main(extra: list[str]) -> int:
     BUILD.mkdir(exist_ok=True)
     started = time.monotonic()
@@ -96,11 +107,15 @@ def main(extra: list[str]) -> int:
     (BUILD / "suite-times.txt").write_text(f"suite wall time {wall / 60:.1f} min in two lanes\n" + "\n".join(tables))
     print("\n[suite] time table (build/suite-times.txt):\n" + (BUILD / "suite-times.txt").read_text())
     n = {"passed": 0, "failures": 0, "errors": 0, "skipped": 0, "tests": 0}
+    bad = []
     for name in LANES:
         junit = BUILD / f"junit-{name}.xml"
         if junit.exists():
             for k, v in totals(junit).items():
                 n[k] += v
+            bad += [f"[{name}] {line}" for line in failures(junit)]
+    if bad:
+        print("[suite] failed (the lane's log in build/ has the whole report):\n  " + "\n  ".join(bad))
     failed = n["failures"] + n["errors"]
     # With -k or -x a lane runs less on purpose (or nothing: pytest's exit 5 is then no failure).
     ran_all = n["tests"] >= want or bool(extra)

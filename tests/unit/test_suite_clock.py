@@ -27,3 +27,23 @@ def test_a_tier_below_its_floor_is_named_and_one_at_or_above_passes():
         "unit: 1 functions collected, floor 2",
     ]
     assert floor_shortfalls(floor, {"unit": {"tests": 9, "functions": 9}, "e2e": {"tests": 1, "functions": 1}}) == []
+
+
+def test_the_suite_names_each_failed_test_with_the_first_line_of_why(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("suite", Path(__file__).parents[2] / "hack" / "suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="1">'
+        '<testcase classname="tests.soak.test_soak" name="test_soak"><failure message="assert 1 == 2&#10;more">tb'
+        '</failure></testcase><testcase classname="tests.e2e.t" name="test_e"><error message="">boom&#10;x</error>'
+        '</testcase><testcase classname="tests.unit.t" name="test_ok"/></testsuite></testsuites>'
+    )
+    assert suite.failures(junit) == [
+        "tests.soak.test_soak::test_soak [failure] assert 1 == 2", "tests.e2e.t::test_e [error] boom",
+    ]
+    assert suite.totals(junit) == {"tests": 3, "failures": 1, "errors": 1, "skipped": 0, "passed": 1}

@@ -13,6 +13,7 @@ the first build a code change rebuilds only the project's own layer.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import http.server
@@ -161,14 +162,19 @@ def build(dockerfile: str, tag: str, base: str, index: str) -> None:
 
 
 def build_all() -> dict[str, str]:
-    """Both images, built from the repo's Dockerfiles; returns {'operator': tag, 'trainer': tag}."""
-    ensure_dockerd()
-    base = base_image()
-    with package_index() as index:
-        build("operator/Dockerfile", OPERATOR_IMAGE, base, index)
-        build("trainer/Dockerfile", TRAINER_IMAGE, base, index)
-    # A rebuild leaves the previous image untagged (the trainer's is 5 GB): drop those, keep the cache.
-    docker("image", "prune", "-f", check=False)
+    """Both images, built from the repo's Dockerfiles; returns {'operator': tag, 'trainer': tag}. One build
+    at a time on this machine (the suite's lanes each ask for the images): a second waits for the first and
+    then finds every layer cached, and no prune runs under another's build."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "images.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_dockerd()
+        base = base_image()
+        with package_index() as index:
+            build("operator/Dockerfile", OPERATOR_IMAGE, base, index)
+            build("trainer/Dockerfile", TRAINER_IMAGE, base, index)
+        # A rebuild leaves the previous image untagged (the trainer's is 5 GB): drop those, keep the cache.
+        docker("image", "prune", "-f", check=False)
     return {"operator": OPERATOR_IMAGE, "trainer": TRAINER_IMAGE, "base": base}
 
 

@@ -38,14 +38,12 @@ def option_id(option) -> str:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    """The run without options, per strategy: 20 steps, checkpoints at 10 and 20."""
+def plain(world4_run):
+    """The run without options, per strategy (20 steps, checkpoints at 10 and 20): the session's shared one."""
     runs = {}
     for strategy in ("fsdp", "zero2"):
-        tmp = tmp_path_factory.mktemp(f"plain-{strategy}")
-        run = run_job(tmp, write_config(tmp, **{"strategy.type": strategy}))
-        assert run.returncodes == [0, 0], run.output[-3000:]
-        runs[strategy] = (tmp, run)
+        _, directory, _, run = world4_run(strategy)
+        runs[strategy] = (directory, run)
     return runs
 
 

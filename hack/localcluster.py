@@ -181,6 +181,7 @@ class LocalCluster:
     # and when they fall behind nodes flap NotReady, which a real kubelet on its own machine would not do.
     node_heartbeat_seconds: float | None = None
     node_grace_seconds: float | None = None
+    audit: bool = False  # the API server's audit log of writes to jobs, pods and Leases (audit_events)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
 
@@ -240,6 +241,39 @@ class LocalCluster:
         out.write_text(yaml.safe_dump_all(docs, sort_keys=False))
         return out
 
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "logs" / "audit.jsonl"
+
+    def audit_mark(self) -> int:
+        """Where the audit log ends now: `audit_events(since=...)` reads only what came after."""
+        return self.audit_log.stat().st_size if self.audit_log.exists() else 0
+
+    def audit_events(self, since: int = 0) -> list[dict]:
+        """The audit log's events (writes to jobs, pods and Leases) after offset `since`, oldest first."""
+        if not self.audit_log.exists():
+            return []
+        with open(self.audit_log, "rb") as f:
+            f.seek(since)
+            lines = f.read().decode().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def _audit_policy(self) -> Path:
+        """Metadata (who, what, when, the answer) of the writes to jobs, pods and Leases; nothing else, so the
+        log stays small and costs the API server little."""
+        policy = {
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+            "rules": [
+                {"level": "Metadata", "verbs": ["create", "update", "patch", "delete"],
+                 "resources": [{"group": "training.sharded.dev"}, {"group": "", "resources": ["pods"]},
+                               {"group": "coordination.k8s.io", "resources": ["leases"]}]},
+                {"level": "None"},
+            ],
+        }  # fmt: skip
+        out = self.workdir / "audit-policy.json"
+        out.write_text(json.dumps(policy))
+        return out
+
     def start(self, timeout: float = 120) -> LocalCluster:
         """Start every component, wait until the API server is ready and the GPU nodes are Ready."""
         started = time.monotonic()
@@ -289,6 +323,11 @@ class LocalCluster:
                     "--allow-privileged=true",
                     "--enable-priority-and-fairness=false",
                     "--endpoint-reconciler-type=none",
+                    # With `audit`: every write to the objects the operator acts on, with who sent it and when
+                    # it landed, what the HA test reads to show that two replicas never act at once. Off
+                    # otherwise: each audited write waits for its line, which slows every other tier's writes.
+                    *([f"--audit-policy-file={self._audit_policy()}", f"--audit-log-path={self.audit_log}",
+                       "--audit-log-format=json"] if self.audit else []),
                     "--v=1",
                 ],
             )
@@ -464,10 +503,10 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_cluster(gpu_nodes: int = 4, workdir: Path | None = None):
+def running_cluster(gpu_nodes: int = 4, workdir: Path | None = None, audit: bool = False):
     """Context manager: a started cluster, torn down on exit whatever happened inside."""
     tmp = Path(workdir or tempfile.mkdtemp(prefix="sharded-cluster-"))
-    cluster = LocalCluster(workdir=tmp, bin_dir=binaries_dir(), gpu_nodes=gpu_nodes)
+    cluster = LocalCluster(workdir=tmp, bin_dir=binaries_dir(), gpu_nodes=gpu_nodes, audit=audit)
     try:
         yield cluster.start()
     finally:

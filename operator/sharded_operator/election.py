@@ -14,6 +14,7 @@ its request was sent, not from when a slow API server answered it.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 LEASE_SECONDS = 15
@@ -67,9 +68,16 @@ def claim(spec: dict[str, Any] | None, me: str, now: dt.datetime, seen: Observed
 class Leadership:
     """Whether this replica may act now: it holds the Lease and renewed it within RENEW_DEADLINE."""
 
-    def __init__(self, me: str, enabled: bool = True):
+    def __init__(self, me: str, enabled: bool = True, clock: Callable[[], dt.datetime] | None = None):
         self.me, self.enabled = me, enabled
+        self.clock = clock or (lambda: dt.datetime.now(dt.UTC))  # the clock the renewals are timed by
         self.renewed: dt.datetime | None = None
+
+    def acting(self) -> bool:
+        """Whether this replica may send the next write of a decision now. A reconcile asks before each of
+        its writes, not only when it starts: a request that took seconds (a slow API server) may have run
+        past the renew deadline, and from then on the standby may act."""
+        return self.leading(self.clock())
 
     def leading(self, now: dt.datetime) -> bool:
         if not self.enabled:  # a single replica: always acts

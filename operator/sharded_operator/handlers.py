@@ -91,7 +91,10 @@ def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
     if body is None:
         return None
     uid = body["metadata"]["uid"]
-    body = {**body, "status": ctx.recent.status(uid, body.get("status") or {}, owned)}
+    status = ctx.recent.status(uid, body.get("status") or {}, owned)
+    # The version a decision is written over: that of this operator's own status write while the watch lags.
+    meta = {**body["metadata"], "resourceVersion": ctx.recent.version(uid, body["metadata"].get("resourceVersion"))}
+    body = {**body, "metadata": meta, "status": status}
     pods = ctx.recent.pods(f"{key[0]}/{key[1]}", list(index.job_pods.get(key, ())))
     on = {p.node for p in pods if p.node}
     nodes = {n: v for n in on if (v := index.nodes.get(n)) is not None}
@@ -213,7 +216,7 @@ async def elect(ctx: Context, queue: WorkQueue, index: kopf.Memo, looks: Looks, 
     and a connection of its own, with short timeouts: no reconcile, progress report or token renewal of the
     other threads can hold a renewal up."""
     cfg, loop = ctx.settings, asyncio.get_running_loop()
-    kube = Kube.connect(connections=1, timeout=election.REQUEST_SECONDS)
+    kube = Kube.connect(connections=1, timeout=election.REQUEST_SECONDS, agent=f"sharded-operator/{cfg.identity}")
     pool, seen = ThreadPoolExecutor(1, thread_name_prefix="lease"), election.Observed()
     while True:
         ctx.health.beat("election")
@@ -294,9 +297,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     # the node watch, the loop's default executor, and the progress work's threads (the Lease has its own).
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(API_THREADS, thread_name_prefix="api"))
     kube = Kube.connect(on_request=lambda method, resource: metrics.api_requests.labels(method, resource).inc(),
-                        connections=3 * cfg.reconcile_workers + 1 + API_THREADS + PROGRESS_THREADS)  # fmt: skip
+                        connections=3 * cfg.reconcile_workers + 1 + API_THREADS + PROGRESS_THREADS,
+                        agent=f"sharded-operator/{cfg.identity}")  # fmt: skip
     ctx = memo.ctx = Context(settings=cfg, kube=kube, metrics=metrics)
-    ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name))
+    ctx.leadership = election.Leadership(cfg.identity, enabled=bool(cfg.lease_name), clock=_now)
     ctx.health = web.Health(cfg.stuck_seconds)
     ctx.indexed, ctx.nodes_listed = asyncio.Event(), asyncio.Event()
     # Nodes by name (NodeView), kept by the node watch: nodes are not watched through kopf (see nodewatch);

@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -93,14 +94,15 @@ class Kube:
     @classmethod
     def connect(
         cls, kubeconfig: str | None = None, on_request: Callable[[str, str], None] | None = None, connections: int = 10,
-        timeout: float = 60.0,
+        timeout: float = 60.0, agent: str = "sharded-operator",
     ) -> Kube:  # fmt: skip
         """The explicit kubeconfig, else the in-cluster account, else $KUBECONFIG. `connections`: how many
         requests the caller's threads may have in flight at once; `on_request(method, resource)` is told of
         every request sent (the operator counts them in its metrics); `timeout`: seconds to connect and to
-        wait for each read."""
+        wait for each read; `agent`: the User-Agent sent."""
         counted = None if on_request is None else (lambda method, url: on_request(method, resource_of(url)))
-        http = Transport(load(kubeconfig), connections=max(connections, 1), on_request=counted, timeout=timeout)
+        http = Transport(load(kubeconfig), connections=max(connections, 1), on_request=counted, timeout=timeout,
+                         agent=agent)  # fmt: skip
         return cls(http, kubeconfig)
 
     @property
@@ -280,13 +282,21 @@ class Kube:
 
     @retrying
     def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], uid: str, before: dict[str, Any] | None = None
-    ) -> bool:
+        self, namespace: str, name: str, status: dict[str, Any], uid: str, before: dict[str, Any] | None = None,
+        resource_version: str | None = None,
+    ) -> Written | None:
         """Write the status fields that differ from `before` (all of them without it), only onto the object
         with this `uid`: a JSON patch whose first operation tests it, so a job deleted and created again under
-        its name meanwhile is left alone (returns False). Fields neither side names are not touched: progress
-        reports write theirs on their own."""
+        its name meanwhile is left alone (returns None). Fields neither side names are not touched: progress
+        reports write theirs on their own.
+
+        With `resource_version` the write is a decision taken from the job as it was at that version: it lands
+        only on that version (the API server's optimistic concurrency), and `Stale` is raised when the job
+        changed since, so a replica deciding from an older view (one that lost the Lease and does not know it
+        yet) can never land a decision over a newer one: read the job again and decide anew."""
         ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": uid}]
+        if resource_version is not None:
+            ops.append({"op": "replace", "path": "/metadata/resourceVersion", "value": resource_version})
         if before is None:
             ops.append({"op": "add", "path": "/status", "value": status})
         else:
@@ -296,13 +306,15 @@ class Kube:
                 elif status[key] != before.get(key):
                     ops.append({"op": "add", "path": f"/status/{key}", "value": status[key]})
         try:
-            self.http.send("PATCH", path(_JOBS, namespace, PLURAL, name, "status"), body=ops,
-                           content_type="application/json-patch+json")  # fmt: skip
+            out = self.http.json("PATCH", path(_JOBS, namespace, PLURAL, name, "status"), body=ops,
+                                 content_type="application/json-patch+json")  # fmt: skip
         except ApiError as e:
+            if e.status == 409 and resource_version is not None:
+                raise Stale(f"{namespace}/{name} changed since resourceVersion {resource_version}") from e
             if e.status in (404, 409, 422):
-                return False
+                return None
             raise
-        return True
+        return Written(((out or {}).get("metadata") or {}).get("resourceVersion"))
 
     @retrying
     def patch_report(self, namespace: str, name: str, fields: dict[str, Any], resource_version: str) -> bool:
@@ -399,6 +411,17 @@ class Kube:
             },
         }  # fmt: skip
         self.http.send("POST", path("apis/events.k8s.io/v1", meta["namespace"], "events"), body=body)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A status write that landed, and the job's resourceVersion after it (None if the response had none)."""
+
+    resource_version: str | None
+
+
+class Stale(RuntimeError):
+    """A decision's status write refused: the job changed since the version it was decided from."""
 
 
 class Expired(RuntimeError):

@@ -29,7 +29,7 @@ class Recent:
         self.clock, self.keep = clock, keep
         self._lock = threading.Lock()  # reconciles write from worker threads; events read on the loop
         self._pods: dict[str, dict[str, tuple[float, PodView]]] = {}  # "ns/job" -> pod uid -> (when, view)
-        self._status: dict[str, tuple[float, dict[str, Any]]] = {}  # job uid -> (when, owned status written)
+        self._status: dict[str, tuple[float, dict[str, Any], str | None]] = {}  # uid -> (when, owned status, version)
 
     def pod_created(self, key: str, view: PodView) -> None:
         with self._lock:
@@ -53,9 +53,16 @@ class Recent:
                 del self._pods[key]
             return watched + [view for _, view in (pods or {}).values()]
 
-    def status_written(self, uid: str, owned: dict[str, Any]) -> None:
+    def status_written(self, uid: str, owned: dict[str, Any], version: str | None = None) -> None:
         with self._lock:
-            self._status[uid] = (self.clock(), owned)
+            self._status[uid] = (self.clock(), owned, version)
+
+    def version(self, uid: str, watched: str | None) -> str | None:
+        """The resourceVersion the next decision is taken over: that of this operator's last status write
+        while the watch has not shown it (the watched one is older than what the decision sees)."""
+        with self._lock:
+            written = self._status.get(uid)
+            return written[2] if written is not None and written[2] is not None else watched
 
     def status(self, uid: str, watched: dict[str, Any], owned: Callable[[dict[str, Any]], dict[str, Any]]
                ) -> dict[str, Any]:  # fmt: skip
@@ -65,7 +72,7 @@ class Recent:
             written = self._status.get(uid)
             if written is None:
                 return watched
-            when, fields = written
+            when, fields, _ = written
             if owned(watched) == fields or when < self.clock() - self.keep:
                 del self._status[uid]
                 return watched

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from sharded_operator import builders
 from sharded_operator.election import Hearing, Leadership
 from sharded_operator.failure import missing_pods
-from sharded_operator.k8s import ApiError, Kube, MissingAPI, Refused
+from sharded_operator.k8s import ApiError, Kube, MissingAPI, Refused, Stale
 from sharded_operator.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.overrides import forbidden
 from sharded_operator.progress import REPORT_FIELDS
@@ -31,6 +31,9 @@ from sharded_trainer.contract import iso
 # (its deletion is under way), or a create the API server refused (a quota, a policy: it may change).
 HELD_SECONDS = 2
 REFUSED_SECONDS = 10
+# Decisions taken anew in one reconcile when the job keeps changing under them (progress reports land about
+# once a second); past that the worker's backoff looks again.
+STALE_RETRIES = 3
 
 
 @dataclass
@@ -104,7 +107,28 @@ def adopt(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
 
 def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome | None:
     """Bring one job one step closer to its spec. Safe to call any number of times, from any event. None:
-    the job is gone or going."""
+    the job is gone or going.
+
+    Every status write is fenced by the resourceVersion the decision was taken from. A refusal means the job
+    changed since (a progress report, or another replica that holds the Lease now): the job is read again and
+    the decision taken anew, so no decision from an older view ever lands over a newer one."""
+    namespace, name = snap.body["metadata"]["namespace"], snap.body["metadata"]["name"]
+    for _ in range(STALE_RETRIES):
+        try:
+            return _reconcile(ctx, snap, logger)
+        except Stale as e:
+            logger.info("deciding again: %s", e)
+            if not ctx.leadership.acting():
+                return None
+            ctx.metrics.stale_writes.inc()
+            fresh = ctx.kube.get_job(namespace, name)
+            if fresh is None or fresh["metadata"]["uid"] != snap.body["metadata"]["uid"]:
+                return None
+            snap = dataclasses.replace(snap, body=fresh)
+    raise Stale(f"{namespace}/{name} changed under {STALE_RETRIES} decisions in a row; looked at again later")
+
+
+def _reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome | None:
     body = snap.body
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     with ctx.metrics.reconcile_seconds.time():
@@ -146,17 +170,27 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
         old = owned(before.model_dump(by_alias=True, exclude_none=True, mode="json"))
         has_status = bool(body.get("status"))
 
+        version = body["metadata"].get("resourceVersion")
+
         def record() -> bool:
-            """Write the owned status fields the decision changed since the last write; False: the job was
-            replaced meanwhile (its status is the new one's to write)."""
-            nonlocal old, has_status
+            """Write the owned status fields the decision changed since the last write, over the version it
+            was decided from (Stale if the job changed since); False: the job was replaced meanwhile (its
+            status is the new one's to write)."""
+            nonlocal old, has_status, version
             new = owned(plan.status.model_dump(by_alias=True, exclude_none=True, mode="json"))
             if new == old:
                 return True
-            if not ctx.kube.patch_status(namespace, name, new, uid=uid, before=old if has_status else None):
+            written = ctx.kube.patch_status(namespace, name, new, uid=uid, before=old if has_status else None,
+                                            resource_version=version)  # fmt: skip
+            if not written:
                 logger.info("the job was replaced while it was being reconciled: its status is the new one's to write")
                 return False
-            ctx.recent.status_written(uid, new)
+            # Which version each decision landed over and produced: the chain that shows no decision was
+            # taken from an older view than the last one written, whichever replica wrote it.
+            logger.info("status of %s/%s written over resourceVersion %s -> %s", namespace, name, version,
+                        written.resource_version)  # fmt: skip
+            version = written.resource_version
+            ctx.recent.status_written(uid, new, version)
             old, has_status = new, True
             return True
 
@@ -164,6 +198,8 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
         #    leaves a status that says why the pods went (a restart for a failure is counted, not taken by
         #    the next process for a pod that vanished while nobody watched)
         if (plan.delete or plan.force_delete or plan.delete_store) and not record():
+            return None
+        if not ctx.leadership.acting():  # the write took long enough for the Lease to lapse: stop here
             return None
         # 1. tear down what must go (old attempts, failed gangs, suspended or finished pods), and force
         #    out pods a lost node will never confirm gone
@@ -182,6 +218,8 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
             plan.status.host_port = builders.choose_host_port(uid, ctx.settings.host_ports, set(snap.host_ports))
         decided = job.model_copy(update={"status": plan.status})
         due = next_due(job, plan.status, observed, now)
+        if (plan.create or plan.create_store) and not ctx.leadership.acting():
+            return None
         if plan.create or plan.create_store:
             refusal = held = None
             try:
@@ -213,7 +251,7 @@ def reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome |
                 due = min(due or again, again)
         # 3. the status write (the rest of it after step 0), only when something changed
         #    (the fields progress reports write are theirs: this patch never names them)
-        if not record():
+        if not ctx.leadership.acting() or not record():
             return None
         # 4. events and metrics for what changed, once the status that records it is written: a
         #    reconcile that fails before this point is retried and must not repeat them
@@ -332,9 +370,10 @@ def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.L
     logger.error("invalid job: %s", message)
     dump = status.model_dump(by_alias=True, exclude_none=True, mode="json")
     uid = body["metadata"]["uid"]
-    written = ctx.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], dump, uid=uid)
+    written = ctx.kube.patch_status(body["metadata"]["namespace"], body["metadata"]["name"], dump, uid=uid,
+                                    resource_version=body["metadata"].get("resourceVersion"))  # fmt: skip
     if written:
-        ctx.recent.status_written(uid, owned(dump))
+        ctx.recent.status_written(uid, owned(dump), written.resource_version)
         ctx.kube.event(body, "Warning", "InvalidSpec", message)
     ctx.metrics.failures.labels("InvalidSpec").inc()
     return Outcome(status, None)

@@ -261,8 +261,10 @@ class Transport:
     `on_request(method, path)` is told of every request sent."""
 
     def __init__(self, credentials: Credentials, connections: int = 10,
-                 on_request: Callable[[str, str], None] | None = None, timeout: float = 60.0):  # fmt: skip
+                 on_request: Callable[[str, str], None] | None = None, timeout: float = 60.0,
+                 agent: str = "sharded-operator"):  # fmt: skip
         self.connections, self.on_request, self.timeout = max(connections, 1), on_request, timeout
+        self.agent = agent  # the User-Agent: with the replica's identity, the API server's audit tells replicas apart
         self._renewing = threading.Lock()  # one renewal (and swap of pool and credentials) at a time
         self._retry_at = 0.0  # time.monotonic() before which a failed renewal is not tried again
         self._use(credentials)
@@ -324,7 +326,7 @@ class Transport:
         for attempt in (1, 2):
             if self.on_request is not None:
                 self.on_request(method, path)
-            headers = {"Accept": accept, "User-Agent": "sharded-operator", **credentials.headers()}
+            headers = {"Accept": accept, "User-Agent": self.agent, **credentials.headers()}
             if data is not None:
                 headers["Content-Type"] = content_type
             try:

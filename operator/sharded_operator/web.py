@@ -45,6 +45,10 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         self.pods_created = Counter("sharded_pods_created_total", "Pods created", registry=self.registry)
+        self.stale_writes = Counter(
+            "sharded_stale_decisions", "Status writes refused because the job changed since it was read; decided anew",
+            registry=self.registry,
+        )  # fmt: skip
         self.reconcile_seconds = Histogram(
             "sharded_reconcile_duration_seconds",
             "Time of one reconcile of one job",

@@ -5,13 +5,19 @@ with no duplicate pods, events or restarts. (The session's own operator leaves `
 from __future__ import annotations
 
 import datetime as dt
+import itertools
+import json
+import re
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
+import localcluster
 from conftest import wait_for
 from jobs import make_job
-from localstack import OperatorProcess
+from localstack import OperatorProcess, install_crd
 from reports import mint, post
 from sharded_operator.election import LEASE_SECONDS
 from sharded_operator.models import GROUP, PLURAL, VERSION, training_pods
@@ -131,3 +137,94 @@ def test_a_standby_times_the_lease_by_its_own_clock_whatever_the_holders_clock_s
         assert took >= RENEW_DEADLINE, f"taken {took:.1f}s after the last renewal, while the holder still acted"
     finally:
         standby.stop()
+
+
+def _landed(events: list[dict], agent: str) -> list[dict]:
+    """The writes to jobs and pods that `agent` sent and the API server carried out, in the order they landed."""
+    mine = [e for e in events if e.get("userAgent") == agent and e.get("stage") == "ResponseComplete"
+            and e["objectRef"]["resource"] in ("shardedtrainingjobs", "pods")
+            and (e.get("responseStatus") or {}).get("code", 500) < 300]  # fmt: skip
+    return sorted(mine, key=lambda e: e["stageTimestamp"])
+
+
+def _log_time(log: Path, needle: str) -> dt.datetime:
+    """When a replica's log (kopf's JSON lines, each with its timestamp) first says `needle`."""
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and needle in (record := json.loads(line)).get("message", ""):
+            return dt.datetime.fromisoformat(record["timestamp"])
+    raise AssertionError(f"{log.name} never says {needle!r}:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def audited():
+    """A control plane of its own whose API server keeps an audit log of the writes (the session's has none:
+    each audited write waits for its line), with the CRD installed, and its clients."""
+    from kubernetes import client, config
+
+    with localcluster.running_cluster(gpu_nodes=2, audit=True) as c:
+        install_crd(c.kubeconfig)
+        api = config.new_client_from_config(config_file=str(c.kubeconfig))
+        core = client.CoreV1Api(api)
+        core.create_namespace({"metadata": {"name": "ha-audit"}})
+        wait_for(lambda: core.read_namespaced_service_account("default", "ha-audit"), what="default SA")
+        yield c, core, client.CustomObjectsApi(api), "ha-audit"
+
+
+def test_a_slow_holder_with_a_skewed_clock_and_its_successor_never_act_at_once(audited, tmp_path):
+    """Replica A holds the Lease with its clock 10 s behind; then every byte between it and the API server
+    takes 6 s each way, so it cannot renew and B takes over, while a gang fails. The restart is decided once;
+    A says it lost the Lease before B says it holds it; none of A's writes lands after B's first (the API
+    server's audit); and every status decision, from either replica, landed over the version the previous
+    one left (their logs), so neither decided from a view older than the other's writes."""
+    from kubernetes import client
+    from test_operator import Ops
+
+    from helpers.slow_proxy import SlowProxy
+
+    cluster, core, custom, ha_namespace = audited
+    coordination, ops = client.CoordinationV1Api(core.api_client), Ops(core, custom, ha_namespace)
+    server = json.loads(cluster.kubeconfig.read_text())
+    proxy = SlowProxy(("127.0.0.1", cluster.api_port)).start()
+    server["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
+    slow_kubeconfig = tmp_path / "kubeconfig-a"
+    slow_kubeconfig.write_text(json.dumps(server))
+    settings = {"NAMESPACES": ha_namespace, "LEASE_NAME": LEASE, "LEASE_NAMESPACE": ha_namespace,
+                "RESTART_GRACE_SECONDS": "3", "IGNORE_NAMESPACES": "kube-system", "LOG_FORMAT": "json"}  # fmt: skip
+    a = OperatorProcess(slow_kubeconfig, tmp_path / "a.log", IDENTITY="replica-a", **settings)
+    a.command = [sys.executable, str(Path(__file__).parents[1] / "helpers" / "skewed_operator.py")]
+    a.env["SKEW_SECONDS"] = "-10"
+    b = OperatorProcess(cluster.kubeconfig, tmp_path / "b.log", IDENTITY="replica-b", **settings)
+    try:
+        a.start()
+        wait_for(lambda: holder(coordination, ha_namespace) == "replica-a", timeout=30, what="A holding the Lease")
+        b.start()
+        ops.create(make_job("j").nodes(2).gpus(2).spec("failurePolicy.backoffLimit", 3))
+        ops.wait_running_attempt(1, 2)
+        mark = cluster.audit_mark()
+        proxy.delay = 6.0
+        ops.exit("j-1", 137, "OOMKilled")
+        wait_for(lambda: holder(coordination, ha_namespace) == "replica-b", timeout=LEASE_SECONDS * 3, interval=0.2,
+                 what="B holding the Lease")  # fmt: skip
+        ops.wait_running_attempt(2, 2, timeout=90)
+        # A's writes still on the wire land (or are refused) within two delays; give them time to show.
+        wait_for(lambda: "lost the Lease" in a.log.read_text(), timeout=60, what="A saying it lost the Lease")
+        time.sleep(2 * proxy.delay + 2)
+        status = ops.status()
+        events = cluster.audit_events(since=mark)
+    finally:
+        b.stop()
+        a.stop()
+        proxy.close()
+    assert (status["attempt"], status["restarts"]) == (2, 1), status
+    assert status["lastFailure"]["pod"] == "j-1" and status["lastFailure"]["exitCode"] == 137
+    lost, holding = _log_time(a.log, "lost the Lease"), _log_time(b.log, "holding the Lease")
+    assert lost <= holding, f"A still believed it led at {lost}, B already acted at {holding}"
+    by_a, by_b = _landed(events, "sharded-operator/replica-a"), _landed(events, "sharded-operator/replica-b")
+    assert by_b, "B never wrote after taking over"
+    if by_a:
+        assert by_a[-1]["stageTimestamp"] < by_b[0]["requestReceivedTimestamp"], (by_a[-1], by_b[0])
+    written = re.compile(rf"status of {ha_namespace}/j written over resourceVersion (\d+) -> (\d+)")
+    chain = sorted((int(m[2]), int(m[1])) for log in (a.log, b.log) for m in written.finditer(log.read_text()))
+    assert len(chain) >= 3, chain  # A's decisions for attempt 1, and the restart and its Running phase
+    for (produced, _), (_, over) in itertools.pairwise(chain):
+        assert over == produced, f"a decision landed over version {over}, not over {produced}, the last one written"

@@ -418,8 +418,32 @@ def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, c
     custom.delete_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, "j")
     ops.create(gpu_job())
     kube = Kube.connect(str(cluster.kubeconfig))
-    assert kube.patch_status(ops.ns, "j", {"phase": "Failed", "restarts": 7}, uid=old_uid) is False
+    assert kube.patch_status(ops.ns, "j", {"phase": "Failed", "restarts": 7}, uid=old_uid) is None
     assert ops.status().get("restarts", 0) == 0
+
+
+def test_a_decision_written_over_an_older_version_of_the_job_is_refused_by_the_api_server(ops, cluster):
+    """The fence under every reconcile's status write: the API server refuses a write over a version that is
+    no longer the job's (409), and the operator reads the job again instead of landing it."""
+    from sharded_operator.k8s import Kube, Stale
+
+    ops.create(gpu_job().spec("runPolicy.suspend", True))
+    job = ops.job()
+    uid, seen = job["metadata"]["uid"], job["metadata"]["resourceVersion"]
+    ops.patch_spec({"runPolicy": {"suspend": True}, "failurePolicy": {"backoffLimit": 5}})  # any change
+    wait_for(lambda: ops.job()["metadata"]["resourceVersion"] != seen, what="a newer version")
+    kube = Kube.connect(str(cluster.kubeconfig))
+    with pytest.raises(Stale):
+        kube.patch_status(ops.ns, "j", {"restarts": 7}, uid=uid, resource_version=seen)
+    assert ops.status().get("restarts", 0) == 0
+    for _ in range(5):  # the operator may write the job's status in between: then the fence refuses ours too
+        now = ops.job()["metadata"]["resourceVersion"]
+        try:
+            written = kube.patch_status(ops.ns, "j", {"restarts": 3}, uid=uid, before={}, resource_version=now)
+            break
+        except Stale:
+            time.sleep(0.5)
+    assert written and written.resource_version not in (None, now)  # over the current version: it lands
 
 
 def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcile(core, cluster, caplog):

@@ -24,7 +24,7 @@ flock 9
 declare -A version=(
   [kube-apiserver]=$KUBERNETES_VERSION [kube-controller-manager]=$KUBERNETES_VERSION
   [kube-scheduler]=$KUBERNETES_VERSION [kubectl]=$KUBERNETES_VERSION [etcd]=$ETCD_VERSION
-  [kwok]=$KWOK_VERSION [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION [kueue]=$KUEUE_VERSION
+  [kwok]=$KWOK_VERSION-$(sha256sum "$here/patches/kwok-pod-uid.patch" | cut -c1-8) [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION [kueue]=$KUEUE_VERSION
 )
 order=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm actionlint kueue)
 
@@ -67,6 +67,24 @@ wrapper() {  # wrapper MODULE VERSION -> prints the wrapper's directory
   echo "$dir"
 }
 
+# KWOK with hack/patches/kwok-pod-uid.patch: its pod deletes and status patches carry the pod's UID, as a
+# kubelet's do. Unpatched, a delete played from a stale event or a retry removes a new pod that reuses the
+# name (the operator reuses pod names across attempts). Prints the patched module's wrapper directory.
+patched_kwok() {
+  local dir="$work/sigs.k8s.io_kwok@${version[kwok]}" src
+  if [ ! -f "$dir/.ready" ]; then
+    src="$(cd "$(wrapper sigs.k8s.io/kwok "$KWOK_VERSION")" && go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" \
+      | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+    rm -rf "$dir" && mkdir -p "$dir/src"
+    cp -R "$src/." "$dir/src/" && chmod -R u+w "$dir/src"
+    (cd "$dir/src" && git apply -p1 "$here/patches/kwok-pod-uid.patch")
+    (cd "$dir" && go mod init local.build/wrapper >/dev/null 2>&1 \
+      && go mod edit -require "sigs.k8s.io/kwok@$KWOK_VERSION" -replace "sigs.k8s.io/kwok=./src")
+    touch "$dir/.ready"
+  fi
+  echo "$dir"
+}
+
 step=0
 build() {  # build NAME MODULE PACKAGE [LDFLAGS]
   local name="$1" module="$2" pkg="$3" ldflags="${4:-}" ver="${version[$1]}"
@@ -75,7 +93,7 @@ build() {  # build NAME MODULE PACKAGE [LDFLAGS]
   if [ ! -x "$out" ]; then
     log "[$step/${#order[@]}] $name $ver: building $pkg (several minutes on 2 cores)"
     local start=$SECONDS dir
-    dir="$(wrapper "$module" "$ver")"
+    if [ "$name" = kwok ]; then dir="$(patched_kwok)"; else dir="$(wrapper "$module" "$ver")"; fi
     (cd "$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out.tmp" "$pkg")
     mv "$out.tmp" "$out"
     log "[$step/${#order[@]}] $name: built in $((SECONDS - start))s"

@@ -37,6 +37,9 @@ BASE_PACKAGES = ["python3", "python3-venv", "python3-dev", "ca-certificates"]
 # A fixed port: the index URL is a build argument, and a different one would miss the layer cache.
 INDEX_PORT = 36617
 VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]  # type: ignore[index]
+# What the build contexts hold: .dockerignore lets in only these (tests/unit/test_images.py keeps the two
+# the same), so they and the Dockerfile and base are every input of an image.
+CONTEXT = ["pyproject.toml", "README.md", "requirements", "operator/sharded_operator", "trainer/sharded_trainer"]
 OPERATOR_IMAGE = f"sharded-training/operator:{VERSION}"
 TRAINER_IMAGE = f"sharded-training/trainer:{VERSION}"
 
@@ -150,31 +153,53 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def build(dockerfile: str, tag: str, base: str, index: str) -> None:
+def inputs_digest(dockerfile: str, base: str, root: Path = ROOT) -> str:
+    """A digest of everything an image is built from: the Dockerfile, the base image, and each file of the
+    build context by name and content (bytecode caches aside, as .dockerignore leaves them out)."""
+    h = hashlib.sha256(f"{base}\0".encode() + (root / dockerfile).read_bytes())
+    for entry in CONTEXT:
+        path = root / entry
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for f in files:
+            if "__pycache__" not in f.parts:
+                h.update(b"\0" + str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build(dockerfile: str, tag: str, base: str, index: str, inputs: str) -> None:
     started = time.monotonic()
     log(f"building {tag} from {dockerfile} (cached layers are reused; the first build of the trainer image "
         "installs torch: several minutes)")  # fmt: skip
     result = docker("build", "--network", "host", "-f", dockerfile, "--build-arg", f"BASE_IMAGE={base}",
-                    "--build-arg", f"PIP_INDEX_URL={index}", "-t", tag, str(ROOT), check=False)  # fmt: skip
+                    "--build-arg", f"PIP_INDEX_URL={index}", "--label", f"sharded.inputs={inputs}", "-t", tag,
+                    str(ROOT), check=False)  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"docker build of {tag} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     log(f"{tag} ready in {time.monotonic() - started:.0f}s")
 
 
 def build_all() -> dict[str, str]:
-    """Both images, built from the repo's Dockerfiles; returns {'operator': tag, 'trainer': tag}. One build
-    at a time on this machine (the suite's lanes each ask for the images): a second waits for the first and
-    then finds every layer cached, and no prune runs under another's build."""
+    """Both images, built from the repo's Dockerfiles; returns {'operator': tag, 'trainer': tag}. An image
+    whose label records the digest of its inputs as they are now is used as it is (Docker's own cache would
+    rebuild it from cached layers, but only after sending and hashing the context: most of a minute). One
+    build at a time on this machine (the suite's lanes each ask for the images): a second waits for the
+    first, and no prune runs under another's build."""
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "images.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         ensure_dockerd()
         base = base_image()
-        with package_index() as index:
-            build("operator/Dockerfile", OPERATOR_IMAGE, base, index)
-            build("trainer/Dockerfile", TRAINER_IMAGE, base, index)
-        # A rebuild leaves the previous image untagged (the trainer's is 5 GB): drop those, keep the cache.
-        docker("image", "prune", "-f", check=False)
+        wanted = [(f, tag, inputs_digest(f, base)) for f, tag in
+                  [("operator/Dockerfile", OPERATOR_IMAGE), ("trainer/Dockerfile", TRAINER_IMAGE)]]  # fmt: skip
+        stale = [(f, tag, d) for f, tag, d in wanted if _image_label(tag, "sharded.inputs") != d]
+        if not stale:
+            log("both images match their inputs: used as they are")
+        else:
+            with package_index() as index:
+                for dockerfile, tag, inputs in stale:
+                    build(dockerfile, tag, base, index, inputs)
+            # A rebuild leaves the previous image untagged (the trainer's is 5 GB): drop those, keep the cache.
+            docker("image", "prune", "-f", check=False)
     return {"operator": OPERATOR_IMAGE, "trainer": TRAINER_IMAGE, "base": base}
 
 

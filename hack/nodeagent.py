@@ -606,9 +606,16 @@ class NodeAgent:
         # Workers torchrun started may have left the group: sweep the namespace's processes too.
         self._sweep(run)
 
-    def _sweep(self, run: PodRun) -> None:
-        """SIGKILL every process left in the pod's network namespace (a frozen one too: SIGKILL needs no thaw)."""
-        self._signal_all(run, signal.SIGKILL)
+    def _sweep(self, run: PodRun, timeout: float = 10.0) -> None:
+        """SIGKILL every process left in the pod's network namespace (a frozen one too: SIGKILL needs no thaw),
+        and wait until none is left, as a kubelet waits for a sandbox's processes before it reports the pod
+        gone: a SIGKILL is delivered when the process next runs, which on a busy node is later."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._signal_all(run, signal.SIGKILL)
+            if not sh("ip", "netns", "pids", run.netns, check=False).stdout.split() or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def _cleanup(self, run: PodRun) -> None:
         self._sweep(run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,12 @@ import localcluster
 from localstack import CRD_FILE, OperatorProcess, install_crd
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Inductor on CPU probes every vector ISA that /proc/cpuinfo lists by building a test library and loading it
+# in a fresh Python that imports torch: ~14 s of CPU in each compiling process, every torchrun worker of
+# every compiled run. Trusting cpuinfo skips the base probes (the same kernels come out on this machine);
+# set here, before anything imports torch, so the test process and every process it starts inherit it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 # The per-tier time table printed at the end of every run, and the floor under the collected tests.
 pytest_plugins = ["helpers.suite_clock"]

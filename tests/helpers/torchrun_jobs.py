@@ -1,4 +1,5 @@
-"""Launch the trainer the way a ShardedTrainingJob's pods do: one torchrun agent per node, c10d rendezvous."""
+"""Launch the trainer the way a ShardedTrainingJob's pods do: one torchrun agent per node (the pods' own
+`sharded_trainer.agent`, whose fork server imports torch and the trainer once per node), c10d rendezvous."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from localcluster import free_port
 from manifests import mutate
 
 ROOT = Path(__file__).resolve().parents[2]
+HELPERS = ROOT / "tests" / "helpers"
 
 
 def write_config(directory: Path, **overrides) -> Path:
@@ -62,14 +64,21 @@ def start_agents(
     config: Path, *, nodes: int = 2, procs: int = 2, script: list[str] | None = None, log_dir: Path,
     env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen]:
-    """One `torchrun` per node, all meeting at a c10d rendezvous on localhost."""
+    """One torchrun agent per node, all meeting at a c10d rendezvous on localhost. The trainer, and the
+    helpers here that wrap its entry point, start as forks of the agent's preloaded server, as in a pod; any
+    other script is spawned, as a pod spawns a user's command."""
+    from sharded_trainer.agent import START_METHOD, torchrun_args
+
     port, run_id = free_port(), uuid.uuid4().hex[:8]
-    target = script or ["-m", "sharded_trainer"]
+    if script and Path(script[0]).parent == HELPERS:
+        target = ["--run-path", f"--start-method={START_METHOD}", *script]
+    else:
+        target = torchrun_args(script or ["-m", "sharded_trainer"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     agents = []
     for rank in range(nodes):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "sharded_trainer.agent",
             f"--nnodes={nodes}", f"--nproc-per-node={procs}", f"--node-rank={rank}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
             "--max-restarts=0", "--monitor-interval=0.5",

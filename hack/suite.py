@@ -9,8 +9,9 @@ and unit; e2e, integration and soak) the second lane was the longer (30.5 of 30.
 integration tier and the soak, which mostly wait, waited behind the e2e tier. In three (trainer and
 unit; e2e; integration and soak) the first was (27.1 minutes, the third done at 14). So the fine-tuning
 module of the trainer tier (6 minutes alone, with fixtures of its own: a claim of models and one launch
-for its matrix) runs after the integration tier and the soak: each lane then took 25-28 minutes in clean
-clones, the two cores busy throughout, so a shorter suite needs less work, not more lanes. Each lane is its own pytest
+for its matrix) runs after the integration tier and the soak: each lane then took 24-26 minutes in clean
+clones, the two cores 1.9 busy on average (about 2,950 CPU-seconds in 25 minutes, two thirds of them
+torchrun's processes), so a shorter suite needs less work, not more lanes. Each lane is its own pytest
 process (its own control plane, its own temporary directory): the waits of one lane are the others' CPU
 time.
 

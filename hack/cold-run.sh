@@ -19,7 +19,6 @@ if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
 fi
 
 start=$SECONDS
-suite_at=""
 set +e
 (cd "$work/repo" && HOME="$work/home" TMPDIR="$work/tmp" bash .ci/run 2>&1) | while IFS= read -r line; do
   t=$(( (SECONDS - start) / 6 ))  # tenths of a minute

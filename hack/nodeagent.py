@@ -321,7 +321,7 @@ class NodeAgent:
         """PIDs of the pod's torchrun workers (process mode): in its network namespace, neither the launcher
         nor torchrun itself; the trainer's workers are forked by the agent's fork server (its children)."""
         workers = []
-        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
+        for pid in self._pids(run):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
@@ -334,10 +334,17 @@ class NodeAgent:
                 workers.append(int(pid))
         return workers
 
-    def _signal_all(self, run: PodRun, sig: int) -> None:
-        for pid in sh("ip", "netns", "pids", run.netns, check=False).stdout.split():
+    def _pids(self, run: PodRun) -> list[str]:
+        """The processes in the pod's network namespace (none once it is gone)."""
+        return sh("ip", "netns", "pids", run.netns, check=False).stdout.split()
+
+    def _signal_all(self, run: PodRun, sig: int) -> list[str]:
+        """Send `sig` to every process in the pod's network namespace; the ones found."""
+        pids = self._pids(run)
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), sig)
+        return pids
 
     # --- one pod --------------------------------------------------------------------------------
     def _start(self, pod) -> None:
@@ -611,10 +618,7 @@ class NodeAgent:
         and wait until none is left, as a kubelet waits for a sandbox's processes before it reports the pod
         gone: a SIGKILL is delivered when the process next runs, which on a busy node is later."""
         deadline = time.monotonic() + timeout
-        while True:
-            self._signal_all(run, signal.SIGKILL)
-            if not sh("ip", "netns", "pids", run.netns, check=False).stdout.split() or time.monotonic() > deadline:
-                return
+        while self._signal_all(run, signal.SIGKILL) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def _cleanup(self, run: PodRun) -> None:

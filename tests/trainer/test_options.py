@@ -5,21 +5,19 @@ measured on GPUs: docs/benchmarks.md.)"""
 
 from __future__ import annotations
 
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 
-from helpers.torchrun_jobs import ROOT, run_job, write_config
+from helpers.torchrun_jobs import HELPERS, run_job, write_config
+from images import CACHE
 from sharded_trainer.checkpoint import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
-HELPERS = ROOT / "tests" / "helpers"
 # Compiled runs share one Inductor cache, kept across runs and clean clones as the virtualenv is: Inductor keys
 # every graph it keeps by the graph, its inputs, its own configuration and torch's version, so a kernel is
 # generated once per machine and loaded after that (a cold compile costs each of the four processes ~15 s).
-INDUCTOR_CACHE = Path(os.environ.get("SHARDED_CACHE_DIR") or Path.home() / ".cache" / "sharded-training") / "inductor"
+INDUCTOR_CACHE = CACHE / "inductor"
 # Inductor's cache says, per graph, whether it generated the kernels or loaded them: either line shows that
 # the blocks ran through Inductor, whatever the cache held before.
 INDUCTOR_LOG = {"TORCH_LOGS": "torch._inductor.codecache"}

@@ -105,6 +105,23 @@ def wait_agents(agents: list[subprocess.Popen], log_dir: Path, timeout: float = 
     return Run([a.returncode for a in agents], output)
 
 
+def run_many(directory: Path, configs: list[Path], *, env=None, timeout: float = 600) -> list[Run]:
+    """Several configs one after another in one launch (tests/helpers/train_many.py), which pays the launch
+    (interpreters, imports, rendezvous) once: each run's output from rank 0's node, in the configs' order."""
+    log_dir = directory / "logs"
+    log_dir.mkdir(parents=True)
+    listing = directory / "configs.txt"
+    listing.write_text("\n".join(map(str, configs)))
+    agents = start_agents(listing, script=[str(HELPERS / "train_many.py")], log_dir=log_dir, env=env)
+    run = wait_agents(agents, log_dir, timeout)
+    assert run.returncodes == [0, 0], run.output[-3000:]
+    # Node 0's log, cut where rank 0 starts each run: a worker of node 0 reaches the next run's first
+    # collective, and so logs anything of it, only after rank 0 has marked it.
+    parts = (log_dir / "agent-0.log").read_text().split('METRICS {"event": "run"')[1:]
+    assert len(parts) == len(configs), run.output[-3000:]
+    return [Run([0], part) for part in parts]
+
+
 def stop_at_step(
     config: Path, progress: Path, step: int, log_dir: Path, *, nodes: int = 2, script=None, env=None
 ) -> Run:

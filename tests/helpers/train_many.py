@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from sharded_trainer.config import load_config
 from sharded_trainer.metrics import emit
 from sharded_trainer.process_group import init_distributed, shutdown
@@ -22,6 +24,9 @@ def main() -> int:
     env = init_distributed(configs[0].backend)
     try:
         for index, cfg in enumerate(configs):
+            # Each run compiles as a fresh process would: Dynamo keeps the graphs of the run before (the same
+            # block code) and would reuse them without consulting Inductor's cache.
+            torch._dynamo.reset()
             if env.is_main:
                 emit({"event": "run", "index": index, "config": paths[index]})
             code = train(cfg, env, None)

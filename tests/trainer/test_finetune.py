@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.torchrun_jobs import ROOT, Run, run_job, start_agents, stop_at_step, wait_agents, write_config
+from helpers.torchrun_jobs import ROOT, run_job, run_many, stop_at_step, write_config
 from sharded_trainer.checkpoint import committed_steps, step_dir
 from tinyhf import ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 
@@ -324,16 +324,8 @@ def matrix(claim, tmp_path_factory):
         finetune_config(tmp / "-".join(map(str, combo)), claim, combo[0], **matrix_overrides(*combo))
         for combo in MATRIX
     ]  # fmt: skip
-    (tmp / "configs.txt").write_text("\n".join(map(str, configs)))
-    log_dir = tmp / "logs"
-    log_dir.mkdir()
-    agents = start_agents(tmp / "configs.txt", script=[str(ROOT / "tests" / "helpers" / "train_many.py")],
-                          log_dir=log_dir, env={"DS_ACCELERATOR": "cpu"})  # fmt: skip
-    run = wait_agents(agents, log_dir, timeout=1500)
-    assert run.returncodes == [0, 0], run.output[-3000:]
-    # Rank 0's output, cut where each run starts.
-    parts = (log_dir / "agent-0.log").read_text().split('METRICS {"event": "run"')[1:]
-    return {combo: (config.parent, Run([0], part)) for combo, config, part in zip(MATRIX, configs, parts, strict=True)}
+    runs = run_many(tmp, configs, env={"DS_ACCELERATOR": "cpu"}, timeout=1500)
+    return {combo: (config.parent, run) for combo, config, run in zip(MATRIX, configs, runs, strict=True)}
 
 
 def trained_words(cache: Path, tokenizer, record: int) -> list[str]:

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from helpers.torchrun_jobs import HELPERS, run_job, write_config
+from helpers.torchrun_jobs import HELPERS, run_job, run_many, write_config
 from images import CACHE
 from sharded_trainer.checkpoint import committed_steps, step_dir
 
@@ -54,24 +54,55 @@ def plain(world4_run):
     return runs
 
 
+def compiles(options: dict) -> bool:
+    return any(key.endswith(".compile") for key in options)
+
+
+# Fresh 10-step bf16 runs, exported by the test below.
+BF16 = {f"bf16-{s}": {"strategy.type": s, "precision": "bf16", "steps": 10} for s in ("fsdp", "zero2")}
+
+
+@pytest.fixture(scope="module")
+def runs(plain, tmp_path_factory):
+    """Each option's run from the plain run's step-10 checkpoint, and the bf16 runs, by name: (directory, run,
+    Inductor cache). They share two launches (tests/helpers/train_many.py), the uncompiled runs and the
+    compiled ones: a launch has one environment, and the uncompiled runs get an Inductor cache of their own,
+    which must stay without kernels."""
+    tmp = tmp_path_factory.mktemp("options")
+    made = {}
+    for compiled in (False, True):
+        names, configs = [], []
+        for option in OPTIONS:
+            strategy, options, _ = option
+            if compiles(options) != compiled:
+                continue
+            directory = tmp / option_id(option)
+            (directory / "ckpt").mkdir(parents=True)
+            shutil.copytree(step_dir(plain[strategy][0] / "ckpt", 10), step_dir(directory / "ckpt", 10))
+            names.append(option_id(option))
+            configs.append(write_config(directory, **{"strategy.type": strategy, **options}))
+        if not compiled:
+            names += BF16
+            configs += [write_config(tmp / name, **settings) for name, settings in BF16.items()]
+        launch = tmp / ("compiled" if compiled else "eager")
+        inductor = INDUCTOR_CACHE if compiled else launch / "inductor"
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "DS_ACCELERATOR": "cpu", **INDUCTOR_LOG}
+        for name, config, run in zip(names, configs, run_many(launch, configs, env=env), strict=True):
+            made[name] = (config.parent, run, inductor)
+    return made
+
+
 @pytest.mark.parametrize("strategy,options,rel", OPTIONS, ids=[option_id(o) for o in OPTIONS])
-def test_an_option_trains_the_same_steps_and_resumes(plain, tmp_path, strategy, options, rel):
-    plain_dir, plain_run = plain[strategy]
-    (tmp_path / "ckpt").mkdir()
-    shutil.copytree(step_dir(plain_dir / "ckpt", 10), step_dir(tmp_path / "ckpt", 10))
-    config = write_config(tmp_path, **{"strategy.type": strategy, **options})
-    compiled = any(key.endswith(".compile") for key in options)
-    # An uncompiled run gets a cache of its own, which must stay without kernels.
-    inductor = INDUCTOR_CACHE if compiled else tmp_path / "inductor"
-    run = run_job(tmp_path, config, env={"TORCHINDUCTOR_CACHE_DIR": str(inductor), **INDUCTOR_LOG})
-    assert run.returncodes == [0, 0], run.output[-3000:]
+def test_an_option_trains_the_same_steps_and_resumes(plain, runs, strategy, options, rel):
+    _, plain_run = plain[strategy]
+    directory, run, inductor = runs[option_id((strategy, options, rel))]
     assert run.event("resumed")["step"] == 10
     for step in range(11, 21):
         assert run.losses()[step] == pytest.approx(plain_run.losses()[step], rel=rel), step
-    assert committed_steps(tmp_path / "ckpt") == [10, 20]
+    assert committed_steps(directory / "ckpt") == [10, 20]
     graphs = [line for line in run.output.splitlines() if "fx graph cache hit" in line or "fx graph cache miss" in line]
-    assert bool(graphs) == compiled, graphs[:5]
-    assert any(inductor.rglob("*.py")) == compiled, sorted(inductor.rglob("*"))[:20]
+    assert bool(graphs) == compiles(options), graphs[:5]
+    assert any(inductor.rglob("*.py")) == compiles(options), sorted(inductor.rglob("*"))[:20]
 
 
 def test_gradients_reduced_in_bf16_travel_in_bf16_and_keep_the_trajectory(plain, tmp_path):
@@ -94,17 +125,17 @@ def test_gradients_reduced_in_bf16_travel_in_bf16_and_keep_the_trajectory(plain,
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
-def test_the_export_of_a_bf16_run_holds_fp32_master_weights_and_says_so(tmp_path, strategy):
+def test_the_export_of_a_bf16_run_holds_fp32_master_weights_and_says_so(runs, strategy):
     import torch
     from safetensors import safe_open
 
     from sharded_trainer.config import load_config
     from sharded_trainer.export import export_checkpoint
 
-    config = write_config(tmp_path, **{"strategy.type": strategy, "precision": "bf16", "steps": 10})
-    run = run_job(tmp_path, config)
-    assert run.returncodes == [0, 0], run.output[-3000:]
-    out = export_checkpoint(load_config(str(config)), str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors"))
+    directory, run, _ = runs[f"bf16-{strategy}"]
+    assert run.event("finished")["step"] == 10
+    config = directory / "trainer.yaml"
+    out = export_checkpoint(load_config(str(config)), str(directory / "ckpt"), str(directory / "model.safetensors"))
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
         weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict

@@ -9,9 +9,12 @@ and unit; e2e, integration and soak) the second lane was the longer (30.5 of 30.
 integration tier and the soak, which mostly wait, waited behind the e2e tier. In three (trainer and
 unit; e2e; integration and soak) the first was (27.1 minutes, the third done at 14). So the fine-tuning
 module of the trainer tier (6 minutes alone, with fixtures of its own: a claim of models and one launch
-for its matrix) runs after the integration tier and the soak: each lane then took 24-26 minutes in clean
+for its matrix) ran after the integration tier and the soak: each lane then took 24-26 minutes in clean
 clones, the two cores 1.9 busy on average (about 2,950 CPU-seconds in 25 minutes, two thirds of them
-torchrun's processes), so a shorter suite needs less work, not more lanes. Each lane is its own pytest
+torchrun's processes), so a shorter suite needs less work, not more lanes. Once the option runs shared
+two launches, the first lane took 21.1 minutes and the third 24.5 (13.2 of them fine-tuning): the trainer
+modules that share the 2x2 reference runs (12 minutes) now follow the integration tier and the soak, and
+the fine-tuning module runs with the other trainer modules. Each lane is its own pytest
 process (its own control plane, its own temporary directory): the waits of one lane are the others' CPU
 time.
 
@@ -38,10 +41,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
 FLOOR = ROOT / "tests" / "floor.json"
+# The trainer modules that share the session's 2x2 reference runs (world4_run) stay in one lane.
+SHARED_RUNS = ["tests/trainer/test_torchrun.py", "tests/trainer/test_options.py", "tests/trainer/test_reshard.py"]
 LANES = {
-    "lane1": ["tests/trainer", "tests/unit", "--ignore=tests/trainer/test_finetune.py"],
+    "lane1": ["tests/trainer", "tests/unit", *(f"--ignore={m}" for m in SHARED_RUNS)],
     "lane2": ["tests/e2e"],
-    "lane3": ["tests/integration", "tests/soak", "tests/trainer/test_finetune.py"],
+    "lane3": ["tests/integration", "tests/soak", *SHARED_RUNS],
 }
 # What the lanes run together: the whole suite, collected once for the floor.
 TIERS = ["tests/unit", "tests/trainer", "tests/integration", "tests/e2e", "tests/soak"]

@@ -18,6 +18,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+# Architectures whose files and modules differ (GPT-NeoX's `embed_out` is the model's `lm_head`; StarCoder2's
+# plain MLP with biases): the fine-tuning tier trains them with LoRA under each strategy.
+LORA_ARCHITECTURES = ("gpt_neox", "starcoder2")
 
 
 def question(k: int) -> list[dict]:
@@ -112,3 +115,53 @@ def greedy_answer(model, tokenizer, k: int) -> str:
         out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=end)  # fmt: skip
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+# The shape of a tiny model of any architecture: each of these a config has (under whichever name its family
+# uses) is set small; sizes stay consistent (heads x head_dim = hidden, experts >= experts per token).
+TINY = {
+    "vocab_size": 96, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "seq_length": 64,
+    "hidden_size": 32, "n_embd": 32, "d_model": 32, "dim": 32, "embed_dim": 32,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "decoder_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "decoder_attention_heads": 4,
+    "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "head_dim": 8, "kv_channels": 8,
+    "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "decoder_ffn_dim": 64, "ffn_hidden_size": 64,
+    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "expert_intermediate_size": 16,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "n_shared_experts": 1, "num_shared_experts": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "rotary_dim": 4,
+    # Token ids a config names must be inside the small vocabulary.
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+def tiny_config(model_type: str, **extra):
+    """A tiny config of `model_type`: its defaults with every size of TINY it has made small (sub-configs
+    such as a text config too). Raises whatever the config class raises on the result."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    return cls(**_tiny_kwargs(cls), **extra)
+
+
+def _tiny_kwargs(cls) -> dict:
+    default = cls()
+    # A setting the class derives (a property) is not passed: it follows from the others.
+    settable = [k for k in default.to_dict() if not isinstance(getattr(cls, k, None), property)]
+    kwargs = {k: v for k, v in TINY.items() if k in settable}
+    if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:  # multi-head latent attention: the rotary part
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+    layers = next((kwargs[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in kwargs), 2)
+    for key in ("layer_types", "block_types", "mlp_layer_types", "hybrid_override_pattern"):
+        if key not in settable:
+            continue
+        value = getattr(default, key, None)
+        if isinstance(value, (list, str)) and len(value) > layers:
+            kwargs[key] = value[:layers]
+    from transformers import PretrainedConfig
+
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub, type) and issubclass(sub, PretrainedConfig) and getattr(default, name, None) is not None:
+            kwargs[name] = _tiny_kwargs(sub)
+    return kwargs

@@ -15,7 +15,7 @@ import torch
 
 from helpers.torchrun_jobs import ROOT, run_job, run_many, stop_at_step, write_config
 from sharded_trainer.checkpoint import committed_steps, step_dir
-from tinyhf import ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
+from tinyhf import ARCHITECTURES, LORA_ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 
 pytestmark = pytest.mark.trainer
 CHANCE = math.log(55)  # the test model's vocabulary
@@ -25,7 +25,7 @@ CHANCE = math.log(55)  # the test model's vocabulary
 def claim(tmp_path_factory):
     """A claim holding a model of each architecture and the chat records, as a job's pods would mount it."""
     root = tmp_path_factory.mktemp("claim")
-    for i, arch in enumerate(ARCHITECTURES):
+    for i, arch in enumerate(ARCHITECTURES + LORA_ARCHITECTURES):
         write_model(root / "models" / arch, arch, seed=i, shards=arch == "llama")
     write_chat_data(root / "data" / "chat.jsonl", 400, system_every=5)
     return root
@@ -297,14 +297,15 @@ def test_an_unusable_model_or_data_path_is_a_permanent_failure_that_names_it(cla
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-# Each architecture, fully fine-tuned and with LoRA, under each strategy. The tests above run these with
-# more checks (eval, tokenization cache, merged export, exact resume); the rest share one launch.
+# Each architecture, fully fine-tuned and with LoRA, under each strategy, and those of LORA_ARCHITECTURES with
+# LoRA under each strategy. The tests above run some with more checks (eval, tokenization cache, merged export,
+# exact resume); the rest share one launch.
 COVERED_ABOVE = {("llama", "fsdp", False), ("gemma", "zero2", True), ("qwen2", "zero2", False), ("qwen3", "fsdp", True)}
 MATRIX = [
     (arch, strategy, lora)
     for arch in ARCHITECTURES for strategy in ("fsdp", "zero2") for lora in (False, True)
     if (arch, strategy, lora) not in COVERED_ABOVE
-]  # fmt: skip
+] + [(arch, strategy, True) for arch in LORA_ARCHITECTURES for strategy in ("fsdp", "zero2")]  # fmt: skip
 
 
 def matrix_overrides(arch: str, strategy: str, lora: bool) -> dict:

@@ -156,8 +156,8 @@ def test_sharded_plan_reads_the_job_from_its_manifest(tmp_path):
     qwen = tmp_path / "qwen"
     qwen.mkdir()
     (qwen / "config.json").write_text(json.dumps({  # Qwen2.5-7B-Instruct's shape
-        "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
+        "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
     }))  # fmt: skip
     local = sharded("plan", "-f", "examples/qwen-qlora-chat.yaml", "--gpu-memory", "80Gi", "--model", str(qwen))
     assert local.returncode == 0, local.stderr
@@ -205,11 +205,11 @@ def test_auto_refuses_before_training_when_nothing_fits():
     [
         ("[1, 2]", "config.json is not a JSON object"),
         ("{not json", "config.json: Expecting property name"),
-        ('{"hidden_size": 64, "num_attention_heads": 4}', "num_hidden_layers must be a whole number"),
-        ('{"hidden_size": -1, "num_attention_heads": 4}', "hidden_size must be a whole number from 1"),
-        ('{"hidden_size": 1e300, "num_attention_heads": 4}', "hidden_size must be a whole number"),
-        ('{"hidden_size": 99999999999, "num_attention_heads": 4}', "(got 99999999999)"),
-        ('{"hidden_size": true, "num_attention_heads": 4}', "hidden_size must be a whole number"),
+        ('{"model_type": "olmo", "hidden_size": 64, "num_attention_heads": 4}', "num_hidden_layers must be"),
+        ('{"model_type": "olmo", "hidden_size": -1, "num_attention_heads": 4}', "must be a whole number from 1"),
+        ('{"model_type": "olmo", "hidden_size": 1e300, "num_attention_heads": 4}', "hidden_size must be"),
+        ('{"model_type": "olmo", "hidden_size": 99999999999, "num_attention_heads": 4}', "(got 99999999999)"),
+        ('{"model_type": "olmo", "hidden_size": true, "num_attention_heads": 4}', "hidden_size must be"),
         ('{"text_config": "x"}', "text_config is not a JSON object"),
     ],
 )
@@ -223,6 +223,38 @@ def test_a_hostile_config_json_is_refused_naming_the_field(tmp_path, content, me
     cfg = auto_config(model={"huggingface": {"path": str(tmp_path)}, "preset": None})
     with pytest.raises(ConfigError, match=r"model\.huggingface\.path"):
         memplan.settle(cfg, 2, 80 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "mixtral", "num_local_experts": 8}, "mixtral routes tokens to experts (num_local_experts 8)"),
+        ({"model_type": "qwen3_moe", "num_experts": 128}, "qwen3_moe routes tokens to experts (num_experts 128)"),
+        ({"model_type": "mamba"}, "model_type 'mamba' is not modelled"),
+        ({"hidden_size": 64}, "model_type None is not modelled"),
+    ],
+)
+def test_a_model_the_memory_model_does_not_cover_is_named_and_auto_asks_for_a_strategy(tmp_path, config, message):
+    from sharded_trainer.config import ConfigError
+    from sharded_trainer.memplan import NotModelled
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotModelled, match=r"config\.json") as e:
+        load_shape(str(tmp_path))
+    assert message in str(e.value)
+    cfg = auto_config(model={"huggingface": {"path": str(tmp_path)}, "preset": None})
+    with pytest.raises(ConfigError, match=r"strategy\.type auto: .* set strategy\.type to fsdp or zero2"):
+        memplan.settle(cfg, 2, 80 * GIB)
+
+
+def test_a_plain_mlp_counts_two_linears_and_a_gated_one_three():
+    from sharded_trainer.memplan import Shape
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 256,
+            "vocab_size": 100}  # fmt: skip
+    gated, plain = (Shape.from_hf_config({**base, "model_type": t}) for t in ("llama", "gpt_neox"))
+    assert gated.block_linear_params - plain.block_linear_params == 64 * 256
+    assert plain.block_act_bytes() < gated.block_act_bytes()
 
 
 @pytest.mark.parametrize(

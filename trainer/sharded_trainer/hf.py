@@ -84,7 +84,7 @@ class SafetensorsWeights:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
-    def read(self, key: str, rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, key: str, rows: tuple[int, int] | None, dtype: torch.dtype | None) -> torch.Tensor:
         from safetensors import safe_open
 
         path = self.files[key]
@@ -92,7 +92,7 @@ class SafetensorsWeights:
             self._open[path] = safe_open(str(path), "pt")
         piece = self._open[path].get_slice(key)
         tensor = piece[rows[0] : rows[1]] if rows is not None else piece[:]
-        return tensor.to(dtype)
+        return tensor if dtype is None else tensor.to(dtype)
 
     def shape(self, key: str) -> list[int]:
         from safetensors import safe_open
@@ -103,12 +103,111 @@ class SafetensorsWeights:
         return list(self._open[path].get_slice(key).get_shape())
 
 
-class HfWeightSource:
-    """Every parameter's initial value: the directory's weights for the base model, LoRA's own initialisation
-    (A: Kaiming-uniform from a generator seeded by the parameter's name, B: zeros) for the adapters."""
+class CheckpointKeys:
+    """Where each of the model's parameters is in its files, found as `from_pretrained` finds it: with
+    transformers' own conversion mapping for the model's classes (renamings such as GPT-NeoX's `embed_out` to
+    `lm_head`, legacy names, a checkpoint written with or without the base model's prefix) and its converters
+    (tensors the files keep fused or split differently from the module: stacked experts, merged projections).
 
-    def __init__(self, weights: SafetensorsWeights, seed: int):
-        self.weights, self.seed = weights, seed
+    A renamed tensor is read as it is, row range by row range. A converted one needs its whole sources: they
+    are read whole, converted once by transformers' own operations, and each target's rows are cut from the
+    result (kept only until every target of that conversion has been read)."""
+
+    def __init__(self, model: nn.Module, weights: SafetensorsWeights):
+        from copy import deepcopy
+
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        self.model, self.weights = model, weights
+        mapping = get_model_conversion_mapping(model)
+        renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+        wanted = model.state_dict()  # meta tensors: only the names matter
+        prefix = getattr(model, "base_model_prefix", None)
+        self.direct: dict[str, str] = {}  # the model's name -> the file's key
+        self.groups: dict[str, tuple[object, list[tuple[str, str]]]] = {}  # first target -> converter, sources
+        self.group_of: dict[str, str] = {}  # every converted target -> its group's first target
+        self.unused: list[str] = []
+        for key in sorted(weights.files, key=dot_natural_key):
+            name, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
+            if name not in wanted and key in wanted:  # as from_pretrained: a key already right stays
+                name, pattern = rename_source_key(key, [], [], prefix, wanted)
+            if name not in wanted:
+                self.unused.append(key)
+            elif pattern is None:
+                self.direct[name] = key
+            else:
+                converter, sources = self.groups.setdefault(name, (deepcopy(by_pattern[pattern]), []))
+                sources.append((key, pattern))
+                for target in converter.target_patterns:
+                    self.group_of[name.replace(converter.target_patterns[0], target)] = name
+        self._converted: dict[str, torch.Tensor] = {}
+        # A tied parameter is registered under several names and the files keep one of them, not always the
+        # one named first (CamemBERT's output head is registered before the embedding it shares).
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        self.aliases = {name: group for group in names.values() for name in group}
+
+    def _source(self, name: str) -> str | None:
+        """The name under which the files give this parameter, or None."""
+        return next((n for n in self.aliases.get(name, [name]) if n in self.direct or n in self.group_of), None)
+
+    def missing(self, names: list[str]) -> list[str]:
+        return [n for n in names if self._source(n) is None]
+
+    def check(self, model: nn.Module) -> None:
+        """Every parameter the model owns has a source in the files, or the run stops before training (exit
+        code 2) naming the parameters, the keys left over and the architecture."""
+        missing = self.missing([checkpoint_key(n) for n, _ in model.named_parameters()])
+        if missing:
+            arch = type(self.model).__name__
+            raise ModelDirectoryError(
+                f"{self.weights.directory}: {arch} has {len(missing)} parameter(s) that transformers' key mapping "
+                f"for this architecture finds in none of the safetensors files: {missing[:4]}; keys the files "
+                f"have and the model does not use: {self.unused[:4]}"
+            )
+
+    def shape(self, name: str) -> list[int]:
+        name = self._source(name) or name
+        if name in self.direct:
+            return self.weights.shape(self.direct[name])
+        return list(self._convert(name).shape)
+
+    def read(self, name: str, rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+        name = self._source(name) or name
+        if name in self.direct:
+            return self.weights.read(self.direct[name], rows, dtype)
+        whole = self._converted.pop(name, None)
+        if whole is None:
+            whole = self._convert(name)
+            self._converted.pop(name)
+        piece = whole if rows is None else whole[rows[0] : rows[1]]
+        return piece.to(dtype)
+
+    def _convert(self, name: str) -> torch.Tensor:
+        from copy import deepcopy
+
+        if name not in self._converted:
+            first = self.group_of[name]
+            converter, sources = self.groups[first]
+            converter = deepcopy(converter)
+            for key, pattern in sources:
+                converter.add_tensor(first, key, pattern, lambda key=key: self.weights.read(key, None, None))
+            for target, value in converter.convert(first, model=self.model, config=self.model.config).items():
+                self._converted[target] = value[0] if isinstance(value, list) else value
+        return self._converted[name]
+
+
+class HfWeightSource:
+    """Every parameter's initial value: the directory's weights for the base model (found through
+    `CheckpointKeys`), LoRA's own initialisation (A: Kaiming-uniform from a generator seeded by the parameter's
+    name, B: zeros) for the adapters."""
+
+    def __init__(self, keys: CheckpointKeys, seed: int):
+        self.keys, self.seed = keys, seed
 
     def read(self, name: str, shape: torch.Size, rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
         key = checkpoint_key(name)
@@ -121,14 +220,15 @@ class HfWeightSource:
             full = torch.empty(shape, dtype=torch.float32)
             nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=g)  # peft's (and nn.Linear's) default
             return (full if rows is None else full[rows[0] : rows[1]]).to(dtype)
-        if key not in self.weights:
-            raise ModelDirectoryError(f"{self.weights.directory}: the model has {key}, the safetensors files do not")
-        saved = self.weights.shape(key)
+        directory = self.keys.weights.directory
+        if self.keys.missing([key]):
+            raise ModelDirectoryError(f"{directory}: the model has {key}, the safetensors files do not")
+        saved = self.keys.shape(key)
         if saved != list(shape):
             raise ModelDirectoryError(
-                f"{self.weights.directory}: {key} is {saved} in the safetensors files, {list(shape)} in config.json"
+                f"{directory}: {key} is {saved} in the safetensors files, {list(shape)} in config.json"
             )
-        return self.weights.read(key, rows, dtype)
+        return self.keys.read(key, rows, dtype)
 
 
 def _rows_shape(shape: torch.Size, rows: tuple[int, int] | None) -> list[int]:
@@ -190,12 +290,13 @@ def build_hf(cfg: TrainerConfig) -> Network:
     weights = SafetensorsWeights(spec.path)
     dtype = base_dtype(cfg)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=spec.trust_remote_code, attn_implementation="sdpa"
-        )
+        # Attention as transformers picks it: torch's SDPA where the architecture supports it, else its own.
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=spec.trust_remote_code)
     # Tying assigns a parameter, which the meta context above turned into a new one: tie again outside it.
     model.tie_weights()
     model.config.use_cache = False  # training: no KV cache (packed sequences need none either)
+    keys = CheckpointKeys(model, weights)
+    keys.check(model)  # before any strategy or process group touches the model
     fuse_rms_norms(model)
     if cfg.lora is not None:
         model = add_lora(model, cfg)
@@ -209,15 +310,23 @@ def build_hf(cfg: TrainerConfig) -> Network:
 
     shape_keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
-    shape = {k: getattr(text, k) for k in shape_keys if getattr(text, k, None) is not None}
+    shape = {k: v for k in shape_keys if (v := _setting(text, k)) is not None}
     fingerprint = {"huggingface": shape}
     if cfg.lora is not None:
         fingerprint["lora"] = cfg.lora.model_dump(by_alias=True, mode="json", exclude={"dropout"})
     return Network(
         module=model, fingerprint=fingerprint, flops_per_token=flops_per_token,
-        source=HfWeightSource(weights, cfg.seed), logits=hf_logits, adapter_only=cfg.lora is not None,
+        source=HfWeightSource(keys, cfg.seed), logits=hf_logits, adapter_only=cfg.lora is not None,
         vocab_size=text.vocab_size,
     )  # fmt: skip
+
+
+def _setting(config: object, key: str) -> object:
+    # Some configs refuse to give one value for a setting that varies by layer (Gemma 4's head_dim).
+    try:
+        return getattr(config, key, None)
+    except Exception:  # whatever the config raises, the setting has no single value
+        return None
 
 
 def _same_code(a: types.CodeType, b: types.CodeType) -> bool:

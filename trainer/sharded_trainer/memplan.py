@@ -55,9 +55,26 @@ FIT_RUNS = (
 )
 
 
+# The decoder families whose blocks the model counts, by config.json's model_type: attention (q, k, v, o; fused
+# or not, the same parameters) and an MLP of three linears (gate, up, down) or of two (up, down). Every
+# family here is checked against the parameters of the model transformers builds from its config
+# (tests/trainer/test_architectures.py). Others, and any config with mixture-of-experts routing, are not
+# modelled: `plan` says so, and `strategy.type: auto` asks for a strategy instead of guessing.
+GATED_MLP = frozenset({
+    "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "olmo3", "granite",
+    "internlm3", "cohere", "helium", "smollm3", "seed_oss", "glm", "stablelm", "phi3", "exaone4", "vaultgemma",
+})  # fmt: skip
+PLAIN_MLP = frozenset({"gpt_neox", "phi", "starcoder2", "nemotron", "persimmon"})
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+class NotModelled(ValueError):
+    """The config describes a model whose memory this model does not predict; the message says why."""
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A decoder-only transformer's shape (Llama, Qwen, Mistral, Gemma)."""
+    """A decoder-only transformer's shape (the families of GATED_MLP and PLAIN_MLP)."""
 
     hidden: int
     layers: int
@@ -67,6 +84,7 @@ class Shape:
     ffn: int
     vocab: int
     tied: bool
+    gated: bool = True  # an MLP of gate, up and down; else of up and down
 
     @classmethod
     def from_hf_config(cls, config: object) -> Shape:
@@ -84,19 +102,28 @@ class Shape:
                 raise ValueError(f"config.json: {key} must be a whole number from 1 to {MAX_SIZE} (got {value!r})")
             return value
 
+        kind = text.get("model_type") or config.get("model_type")
+        experts = [k for k in EXPERT_KEYS if isinstance(text.get(k), int) and text[k] > 1]
+        if experts:
+            raise NotModelled(f"config.json: {kind} routes tokens to experts ({experts[0]} {text[experts[0]]}): "
+                              "mixture-of-experts memory is not modelled")  # fmt: skip
+        if kind not in GATED_MLP | PLAIN_MLP:
+            raise NotModelled(f"config.json: model_type {kind!r} is not modelled (modelled: "
+                              f"{', '.join(sorted(GATED_MLP | PLAIN_MLP))})")  # fmt: skip
         hidden, heads = size("hidden_size"), size("num_attention_heads")
         return cls(
             hidden=hidden, layers=size("num_hidden_layers"), heads=heads,
             kv_heads=size("num_key_value_heads", heads), head_dim=size("head_dim", max(hidden // heads, 1)),
             ffn=size("intermediate_size"), vocab=size("vocab_size"),
             tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            gated=kind in GATED_MLP,
         )  # fmt: skip
 
     @property
     def linears(self) -> list[tuple[int, int]]:
         """(in, out) of each linear layer of a block."""
         h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
-        return [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+        return [(h, q), (h, kv), (h, kv), (q, h), *([(h, f)] if self.gated else []), (h, f), (f, h)]
 
     @property
     def block_linear_params(self) -> int:
@@ -117,7 +144,9 @@ class Shape:
     def block_act_bytes(self) -> float:
         """Bytes a block saves for backward per token."""
         kv = self.kv_heads * self.head_dim
-        return ACT_SCALE * 2 * (7 * self.hidden + 3 * kv + 4 * self.ffn)
+        # A plain MLP saves its input to the activation and the activation's output (2 of the MLP width), a
+        # gated one also the gate and the product (4); the fit was on gated blocks.
+        return ACT_SCALE * 2 * (7 * self.hidden + 3 * kv + (4 if self.gated else 2) * self.ffn)
 
 
 def load_shape(model: str) -> Shape:
@@ -127,7 +156,7 @@ def load_shape(model: str) -> Shape:
         try:
             return Shape.from_hf_config(json.loads(config.read_text()))
         except ValueError as e:  # json's own errors are ValueErrors too
-            raise ValueError(f"{config}: {e}") from None
+            raise (NotModelled if isinstance(e, NotModelled) else ValueError)(f"{config}: {e}") from None
     if model not in PRESETS:
         raise ValueError(f"--model {model}: neither a directory with config.json nor a preset ({', '.join(PRESETS)})")
     a = PRESETS[model]
@@ -315,6 +344,8 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
         raise ConfigError(f"model.huggingface.path {model}: no config.json there")
     try:
         shape = load_shape(model)
+    except NotModelled as e:
+        raise ConfigError(f"strategy.type auto: {e}; set strategy.type to fsdp or zero2") from None
     except ValueError as e:
         raise ConfigError(f"model.huggingface.path: {e}") from None
     lora = cfg.lora

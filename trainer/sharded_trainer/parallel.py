@@ -93,18 +93,21 @@ def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> float:
 
 def decoder_layers(model: nn.Module) -> nn.Module:
     """The container of the model's repeated blocks, found from the model rather than from a list of names:
-    the largest ModuleList/ModuleDict whose children are all of one class, that class one the model declares
-    unsplittable (transformers' `_no_split_modules`) when it declares any."""
+    the largest ModuleList/ModuleDict whose children are all of one class, preferring a class the model
+    declares unsplittable (transformers' `_no_split_modules`)."""
     unsplit: set[str] = set()
     for m in model.modules():
         unsplit |= set(getattr(m, "_no_split_modules", None) or ())
-    best: nn.Module | None = None
+    lists = []
     for m in model.modules():
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m):
             # A block wrapped for activation checkpointing (ZeRO-2 wraps before QLoRA quantizes) is still that block.
             classes = {type(getattr(c, "_checkpoint_wrapped_module", c)).__name__ for c in m.children()}
-            if len(classes) == 1 and (not unsplit or classes & unsplit) and (best is None or len(m) > len(best)):
-                best = m
+            if len(classes) == 1:
+                lists.append((bool(classes & unsplit), len(m), m))
+    # Some models declare only parts of a block unsplittable (RoBERTa-PreLayerNorm: its attention): then the
+    # largest list of blocks of one class is still the decoder's.
+    best = max(lists, key=lambda entry: entry[:2])[2] if lists else None
     if best is None:
         raise ValueError(f"{type(model).__name__}: found no list of repeated decoder layers to shard block by block")
     return best

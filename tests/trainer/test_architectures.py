@@ -106,3 +106,35 @@ def test_a_model_whose_files_miss_a_parameter_is_refused_before_training_naming_
         build_hf(cfg)
     assert "LlamaForCausalLM" in str(e.value) and "model.norm.weight" in str(e.value), e.value
     assert "model.final_norm.weight" in str(e.value), e.value
+
+
+def test_a_checkpoint_of_the_base_model_without_its_prefix_loads_into_the_causal_lm(tmp_path):
+    """Files written by the base model (`LlamaModel`: `layers.0...`, no `model.` prefix) with the output head
+    tied to the embedding: the keys gain the prefix as `from_pretrained` gives it, the head stays tied, and
+    the logits are `from_pretrained`'s."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from sharded_trainer.config import TrainerConfig
+    from sharded_trainer.hf import build_hf, hf_logits
+    from sharded_trainer.parallel import materialize
+    from tinyhf import tiny_config
+
+    config = tiny_config("llama", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path))
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "layers.0.self_attn.q_proj.weight" in f.keys() and "embed_tokens.weight" in f.keys()  # noqa: SIM118
+    inputs = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()(inputs).logits
+    cfg = TrainerConfig.model_validate({"model": {"preset": None, "huggingface": {"path": str(tmp_path)}}})
+    net = build_hf(cfg)
+    materialize(net.module, torch.device("cpu"), net.source)
+    assert net.module.lm_head.weight is net.module.model.embed_tokens.weight
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(net.module.eval(), inputs, None), expected, rtol=1e-5, atol=1e-5)

@@ -643,3 +643,32 @@ def test_an_elastic_job_is_resized_by_editing_nodes(ops):
     assert {p.metadata.name: p.metadata.uid for p in pods if p.metadata.name != "j-2"} == kept
     status = ops.status()
     assert status["desiredNodes"] == 3 and status["attempt"] == 1 and status["podReplacements"] == 0
+
+
+def test_an_eviction_seen_only_by_the_next_replica_past_the_in_place_budget_restarts_the_gang(ops, core, operator):
+    """A pod evicted just before the operator dies is still Terminating (its grace) when the next replica
+    lists it, with the eviction's DisruptionTarget: with the in-place budget spent, that replica restarts the
+    gang as a disruption instead of waiting for the pod to go."""
+    from kubernetes import client
+
+    def evict(name: str) -> None:
+        core.create_namespaced_pod_eviction(
+            name, ops.ns, client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=ops.ns))
+        )
+
+    job = gpu_job().spec("failurePolicy.inPlaceRestarts", 1).spec("failurePolicy.inPlaceTimeoutSeconds", 86400)
+    ops.create(job.spec("runPolicy.terminationGraceSeconds", 15))
+    pods = ops.wait_running_attempt(1, 2)
+    uid = {p.metadata.name: p.metadata.uid for p in pods}
+    evict("j-1")
+    wait_for(lambda: (s := ops.status()) and s.get("podReplacements") == 1, what="j-1 replaced alone")
+    wait_for(lambda: any(p.metadata.name == "j-1" and p.metadata.uid != uid["j-1"] and p.status.phase == "Running"
+                         for p in ops.pods()), timeout=90, what="the new j-1 running")  # fmt: skip
+    evict("j-0")
+    time.sleep(0.5)  # the old replica may see the eviction and die before it acts, as in the soak
+    operator.kill()
+    time.sleep(3)
+    operator.start()
+    ops.wait_running_attempt(2, 2)
+    status = ops.status()
+    assert (status["restarts"], status["disruptions"], status["podReplacements"]) == (0, 1, 1), status

@@ -3,7 +3,6 @@ and the failure paths (killed process, suspend, permanent failure, deletion) wit
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ import pytest
 
 from conftest import wait_for
 from helpers.e2ejobs import NS, Jobs, cleanup, job
+from helpers.torchrun_jobs import live_members
 from localstack import LocalStack
 from nodeagent import can_isolate
 from sharded_operator.models import ANNOTATION_CREATED_BY
@@ -238,17 +238,6 @@ def test_deleting_the_job_stops_every_process(jobs, stack):
     # Nothing of the pods' process groups is alive, torchrun's workers included (a zombie is dead: it only
     # waits for its new parent to read its exit status).
     assert not [p for r in runs for p in live_members(r.proc.pid)], [r.name for r in runs]
-
-
-def live_members(group: int) -> list[int]:
-    """The processes of process group `group` that have not exited."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            if int(pgrp) == group and state not in ("Z", "X"):
-                members.append(int(stat.parent.name))
-    return members
 
 
 def test_a_job_created_again_on_its_retained_claim_resumes_from_the_old_jobs_checkpoint(jobs, stack):

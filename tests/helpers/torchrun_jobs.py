@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -91,15 +92,32 @@ def start_agents(
     return agents
 
 
+def live_members(group: int) -> list[int]:
+    """The processes of process group `group` that have not exited."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == group and state not in ("Z", "X"):
+                members.append(int(stat.parent.name))
+    return members
+
+
 def wait_agents(agents: list[subprocess.Popen], log_dir: Path, timeout: float = 300) -> Run:
+    """Each agent's run once every process of its node is gone: with the group SIGTERMed, as the tests stop
+    a pod, the agent's fork server goes at once, and torchrun, no longer able to wait on the workers it
+    forked, may exit while they still write their final checkpoint and its lines."""
     deadline = time.monotonic() + timeout
     try:
         for a in agents:
             a.wait(timeout=max(1, deadline - time.monotonic()))
+        while any(live_members(a.pid) for a in agents) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
+            if a.poll() is None or live_members(a.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
     output = "\n".join((log_dir / f"agent-{i}.log").read_text() for i in range(len(agents)))
     return Run([a.returncode for a in agents], output)

@@ -316,6 +316,9 @@ def _follow_recovery(plan: Plan, obs: Observed, now: dt.datetime, *, elastic: bo
         return
     listed = {p.uid for p in obs.pods}
     rec.retired = [u for u in rec.retired if u in listed]
+    # The decision to replace a pod is written before its delete: a replica that died in between left a
+    # retired pod that nothing else would remove, and its replacement (same name) waiting for it forever.
+    plan.delete += [p.name for p in obs.pods if p.uid in rec.retired and not p.deleting and p.name not in plan.delete]
     replaced = {p.index for p in obs.pods if p.attempt == status.attempt and p.uid not in rec.retired}
     rec.pending = [i for i in rec.pending if i not in replaced]
     progress = status.progress

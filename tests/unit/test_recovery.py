@@ -90,6 +90,23 @@ def test_a_failed_pod_is_replaced_alone_and_training_resumes_without_a_new_attem
     assert plan.status.attempt == 1 and plan.status.pod_replacements == 1
 
 
+def test_a_replacement_decided_by_a_replica_that_died_before_its_delete_is_carried_out_by_the_next():
+    """The status says j-1 is retired and its replacement pending, but j-1 is still there, not deleting (the
+    replica that wrote the decision was killed before the delete): the next reconcile deletes it, and only
+    then is j-1 created again; no failure is counted twice."""
+    j = job()
+    pods = gang()
+    pods[1] = failed(pods[1])
+    written = then(j, decide(j, seen(pods), NOW, GRACE))
+    assert written.status.recovery.retired == ["uid-1-a"] and written.status.recovery.pending == [1]
+    later = NOW + dt.timedelta(seconds=5)
+    plan = decide(written, seen(pods), later, GRACE)
+    assert plan.delete == ["j-1"] and plan.create == []
+    assert plan.status.pod_replacements == 1 and plan.status.restarts == 0 and "ReplacingPod" not in reasons(plan)
+    deleting = [pods[0], PodView(**{**vars(pods[1]), "deleting": True}), pods[2]]
+    assert decide(then(written, plan), seen(deleting), later, GRACE).delete == []
+
+
 @pytest.mark.parametrize("index", [0, 2])
 def test_any_pod_may_be_the_lost_one_node_zero_too(index):
     """No training pod hosts the rendezvous: pod 0 is replaced like any other."""

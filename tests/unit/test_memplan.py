@@ -214,14 +214,19 @@ def test_auto_refuses_before_training_when_nothing_fits():
     ],
 )
 def test_a_hostile_config_json_is_refused_naming_the_field(tmp_path, content, message):
+    refused(tmp_path, content, ValueError, message, r"model\.huggingface\.path")
+
+
+def refused(directory, content: str, error: type, message: str, auto_says: str) -> None:
+    """config.json holding `content`: `plan` raises `error` naming it, and `strategy.type: auto` a config error."""
     from sharded_trainer.config import ConfigError
 
-    (tmp_path / "config.json").write_text(content)
-    with pytest.raises(ValueError, match=r"config\.json") as e:
-        load_shape(str(tmp_path))
+    (directory / "config.json").write_text(content)
+    with pytest.raises(error, match=r"config\.json") as e:
+        load_shape(str(directory))
     assert message in str(e.value)
-    cfg = auto_config(model={"huggingface": {"path": str(tmp_path)}, "preset": None})
-    with pytest.raises(ConfigError, match=r"model\.huggingface\.path"):
+    cfg = auto_config(model={"huggingface": {"path": str(directory)}, "preset": None})
+    with pytest.raises(ConfigError, match=auto_says):
         memplan.settle(cfg, 2, 80 * GIB)
 
 
@@ -235,16 +240,10 @@ def test_a_hostile_config_json_is_refused_naming_the_field(tmp_path, content, me
     ],
 )
 def test_a_model_the_memory_model_does_not_cover_is_named_and_auto_asks_for_a_strategy(tmp_path, config, message):
-    from sharded_trainer.config import ConfigError
     from sharded_trainer.memplan import NotModelled
 
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotModelled, match=r"config\.json") as e:
-        load_shape(str(tmp_path))
-    assert message in str(e.value)
-    cfg = auto_config(model={"huggingface": {"path": str(tmp_path)}, "preset": None})
-    with pytest.raises(ConfigError, match=r"strategy\.type auto: .* set strategy\.type to fsdp or zero2"):
-        memplan.settle(cfg, 2, 80 * GIB)
+    auto_says = r"strategy\.type auto: .* set strategy\.type to fsdp or zero2"
+    refused(tmp_path, json.dumps(config), NotModelled, message, auto_says)
 
 
 def test_a_plain_mlp_counts_two_linears_and_a_gated_one_three():

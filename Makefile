@@ -44,7 +44,7 @@ lock:
 	@python3 hack/lock.py compile
 
 crds: setup
-	@$(PY) -m sharded_operator.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml
+	@$(PY) -m sharded_operator.api.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml
 	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/files/crds/
 	@$(PY) -c 'import sys; from sharded_operator import overrides; sys.stdout.write(overrides.render())' \
 	  > charts/sharded-training-operator/files/pod-overrides.yaml

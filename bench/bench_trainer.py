@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from sharded_trainer.checkpoint import CheckpointManager
-from sharded_trainer.config import TrainerConfig
-from sharded_trainer.data import ShardedLoader, TokenSource
-from sharded_trainer.model import preset_network
+from sharded_api.config import TrainerConfig
+from sharded_trainer.checkpoint.manager import CheckpointManager
+from sharded_trainer.data.sources import ShardedLoader, TokenSource
+from sharded_trainer.modeling.decoder import preset_network
 from sharded_trainer.process_group import init_distributed
-from sharded_trainer.strategies import build_strategy
+from sharded_trainer.strategies.pick import build_strategy
 
 
 def config(a) -> TrainerConfig:

@@ -27,7 +27,7 @@ def checksum(model) -> float:
 
 
 def install(steps: set[int]) -> None:
-    from sharded_trainer.zero2 import Zero2Strategy
+    from sharded_trainer.strategies.zero2 import Zero2Strategy
 
     step_once = Zero2Strategy.train_step
 

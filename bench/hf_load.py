@@ -35,7 +35,7 @@ def make(shape: str, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from sharded_trainer.model import PRESETS
+    from sharded_trainer.modeling.decoder import PRESETS
 
     a = PRESETS[shape]
     config = LlamaConfig(
@@ -95,11 +95,11 @@ def baseline(model_dir: str, dtype: str) -> None:
 def load(model_dir: str, strategy: str, device: str, precision: str, lora: str | None) -> None:
     import torch
 
-    from sharded_trainer.config import TrainerConfig
-    from sharded_trainer.network import build_network
+    from sharded_api.config import TrainerConfig
+    from sharded_trainer.modeling.build import build_network
+    from sharded_trainer.modeling.quantize import is_nf4, nf4_bytes
     from sharded_trainer.process_group import init_distributed, shutdown
-    from sharded_trainer.quantize import is_nf4, nf4_bytes
-    from sharded_trainer.strategies import build_strategy
+    from sharded_trainer.strategies.pick import build_strategy
 
     cfg = TrainerConfig.model_validate({
         "model": {"huggingface": {"path": model_dir}}, "precision": precision, "strategy": {"type": strategy},

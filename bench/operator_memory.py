@@ -67,7 +67,7 @@ def main() -> None:
     # docs/benchmarks.md), and the Kubernetes client's API modules take minutes to import under it.
     import kubernetes.client
 
-    from sharded_operator import handlers  # noqa: F401 - its imports, and the handlers kopf will run
+    from sharded_operator.run import handlers  # noqa: F401 - its imports, and the handlers kopf will run
 
     for api in ("CoreV1Api", "CustomObjectsApi", "EventsV1Api", "CoordinationV1Api", "AuthenticationV1Api"):
         getattr(kubernetes.client, api)

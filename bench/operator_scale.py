@@ -58,8 +58,8 @@ from kubernetes import client, config  # noqa: E402
 
 import localcluster  # noqa: E402
 from localstack import OperatorProcess, install_crd  # noqa: E402
-from sharded_operator import builders  # noqa: E402
-from sharded_operator.models import GROUP, LABEL_JOB, PLURAL, VERSION, ShardedTrainingJob  # noqa: E402
+from sharded_operator.api.models import GROUP, LABEL_JOB, PLURAL, VERSION, ShardedTrainingJob  # noqa: E402
+from sharded_operator.render import builders  # noqa: E402
 from sharded_operator.settings import OperatorSettings  # noqa: E402
 
 PODS_PER_JOB = 9  # 8 training pods and the rendezvous store pod

@@ -84,7 +84,7 @@ def trainer_marks(log: str, after: float) -> dict[str, float]:
 
 
 def job(name: str, in_place: bool) -> dict:
-    from sharded_operator.models import GROUP, VERSION
+    from sharded_operator.api.models import GROUP, VERSION
 
     # Enough in-place restarts for every fault of every repeat in one attempt (each costs every surviving
     # agent one); the gang mode has none, as by default.
@@ -110,7 +110,7 @@ def job(name: str, in_place: bool) -> dict:
 
 class Bench:
     def __init__(self, stack, name: str, in_place: bool):
-        from sharded_operator.models import GROUP, PLURAL, VERSION
+        from sharded_operator.api.models import GROUP, PLURAL, VERSION
 
         self.stack, self.name, self.in_place = stack, name, in_place
         self.path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}"
@@ -120,7 +120,7 @@ class Bench:
 
     def pods(self) -> list[dict]:
         """The job's training pods (not its rendezvous store pod)."""
-        from sharded_operator.models import LABEL_INDEX, LABEL_JOB
+        from sharded_operator.api.models import LABEL_INDEX, LABEL_JOB
 
         url = f"/api/v1/namespaces/{NS}/pods?labelSelector={LABEL_JOB}%3D{self.name},{LABEL_INDEX}"
         return self.stack.cluster.api("GET", url)["items"]
@@ -150,7 +150,7 @@ class Bench:
     def measure(self, fault: float, before: dict, victim: str | None) -> dict[str, float]:
         """Poll until training resumes after the fault; the time each phase ended. `before` is the status
         before the fault; `victim` the UID of the pod the fault hit (None: no pod is replaced)."""
-        from sharded_operator.models import LABEL_ATTEMPT
+        from sharded_operator.api.models import LABEL_ATTEMPT
 
         marks = {"fault": fault}
         old_attempt, replaced = before["attempt"], before.get("podReplacements", 0)
@@ -190,7 +190,7 @@ class Bench:
 
 
 def run_fault(bench: Bench, kind: str) -> dict:
-    from sharded_operator.models import LABEL_INDEX
+    from sharded_operator.api.models import LABEL_INDEX
 
     bench.training()
     before = bench.status()

@@ -62,8 +62,8 @@ def marks(log: str, after: float) -> dict[str, float]:
 def arm(start: str, procs: int, workdir: Path) -> dict:
     from helpers.torchrun_jobs import write_config
     from localcluster import free_port
-    from sharded_trainer.checkpoint import committed_steps
-    from sharded_trainer.contract import PodEnv
+    from sharded_api.contract import PodEnv
+    from sharded_trainer.checkpoint.manager import committed_steps
     from sharded_trainer.launch import children, workers
 
     directory = workdir / f"{start}-{uuid.uuid4().hex[:6]}"

@@ -24,7 +24,7 @@ import yaml
 import localcluster
 from localstack import ROOT, LocalStack
 from nodeagent import can_isolate
-from sharded_operator.models import (
+from sharded_operator.api.models import (
     FINISHED,
     GROUP,
     PLURAL,

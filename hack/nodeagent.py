@@ -34,7 +34,7 @@ from pathlib import Path
 import podcontainers
 from kubeletserver import KubeletServer
 from podcontainers import Mount
-from sharded_operator.quantity import quantity_value
+from sharded_api.quantity import quantity_value
 
 BRIDGE = "shbr0"
 SUBNET = ipaddress.ip_network("10.203.0.0/16")

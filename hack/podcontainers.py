@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from sharded_operator.quantity import quantity_value
+from sharded_api.quantity import quantity_value
 
 
 @dataclass

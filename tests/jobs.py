@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from manifests import mutate
-from sharded_operator.models import GROUP, KIND, VERSION, ShardedTrainingJob
+from sharded_operator.api.models import GROUP, KIND, VERSION, ShardedTrainingJob
 
 
 class JobBuilder:

@@ -8,9 +8,9 @@ from typing import Any, get_origin
 from pydantic import BaseModel
 
 from manifests import load_example
-from sharded_operator.models import ShardedTrainingJob
-from sharded_trainer.cel import model_of
-from sharded_trainer.rules import Rule
+from sharded_api.cel import model_of
+from sharded_api.rules import Rule
+from sharded_operator.api.models import ShardedTrainingJob
 
 
 def models_in_job() -> list[tuple[str, type[BaseModel]]]:

@@ -29,7 +29,7 @@ import kopf  # noqa: E402
 
 
 def main() -> int:
-    from sharded_operator import handlers  # registers the handlers
+    from sharded_operator.run import handlers  # registers the handlers
 
     settings = handlers.SETTINGS
     kopf.configure(log_format=kopf.LogFormat.JSON if settings.log_format == "json" else kopf.LogFormat.PLAIN)

@@ -21,9 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sharded_operator.exporting import ExportError, export_pod, location
-from sharded_operator.k8s import Kube, Refused
-from sharded_operator.models import (
+from sharded_operator.api.models import (
     CONTAINER,
     FINISHED,
     GROUP,
@@ -34,7 +32,9 @@ from sharded_operator.models import (
     Phase,
     ShardedTrainingJob,
 )
-from sharded_operator.transport import ApiError
+from sharded_operator.render.export_pod import ExportError, export_pod, location
+from sharded_operator.run.k8s import Kube, Refused
+from sharded_operator.run.transport import ApiError
 
 POLL_SECONDS = 1.0
 

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sharded_operator.overrides import DEFAULT_GPU_RESOURCE, DEFAULT_RDMA_RESOURCE, NAMES, Allow
-from sharded_trainer.contract import DEFAULT_CONFIG_PATH
+from sharded_api.contract import DEFAULT_CONFIG_PATH
+from sharded_operator.api.overrides import DEFAULT_GPU_RESOURCE, DEFAULT_RDMA_RESOURCE, NAMES, Allow
 
 ENV_PREFIX = "SHARDED_OPERATOR_"
 
@@ -76,7 +76,7 @@ class OperatorSettings(BaseModel):
     cpu_procs_per_node: int = Field(2, ge=1, description="procsPerNode 'auto' on a CPU-only job.")
     forbid_pod_overrides: list[str] = Field(
         default_factory=list,
-        description="Rows of the pod allowlist (sharded_operator.overrides) that are refused for every job "
+        description="Rows of the pod allowlist (sharded_operator.api.overrides) that are refused for every job "
         "(comma-separated), e.g. volumes,hostNetwork,annotations. For clusters without admission policies; the "
         "chart's policy checks the submitter instead.",
     )

@@ -19,7 +19,7 @@ from helpers.torchrun_jobs import write_config
 from localstack import LocalStack
 from nodeagent import can_isolate
 from podcontainers import container_name, sandbox_name
-from sharded_trainer.checkpoint import committed_steps
+from sharded_trainer.checkpoint.manager import committed_steps
 
 pytestmark = [
     pytest.mark.e2e,

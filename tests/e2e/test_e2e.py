@@ -18,8 +18,8 @@ from helpers.e2ejobs import NS, Jobs, cleanup, job
 from helpers.torchrun_jobs import live_members
 from localstack import LocalStack
 from nodeagent import can_isolate
-from sharded_operator.models import ANNOTATION_CREATED_BY
-from sharded_trainer.contract import MARKER, step_dir_name
+from sharded_api.contract import MARKER, step_dir_name
+from sharded_operator.api.models import ANNOTATION_CREATED_BY
 
 pytestmark = [
     pytest.mark.e2e,

@@ -29,9 +29,9 @@ class Outcome:
 def check(model_type: str, directory: Path) -> Outcome:
     from transformers import AutoModelForCausalLM
 
-    from sharded_trainer.config import TrainerConfig
-    from sharded_trainer.hf import build_hf, hf_logits
-    from sharded_trainer.parallel import decoder_layers, materialize
+    from sharded_api.config import TrainerConfig
+    from sharded_trainer.modeling.hf import build_hf, hf_logits
+    from sharded_trainer.strategies.parallel import decoder_layers, materialize
     from tinyhf import tiny_config
 
     try:

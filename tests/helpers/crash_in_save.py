@@ -6,7 +6,7 @@ import os
 import sys
 
 from sharded_trainer.__main__ import main
-from sharded_trainer.checkpoint import CheckpointManager
+from sharded_trainer.checkpoint.manager import CheckpointManager
 
 _commit = CheckpointManager._commit
 

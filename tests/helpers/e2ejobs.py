@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from conftest import wait_for
 from localstack import LocalStack
-from sharded_operator.models import GROUP, PLURAL, VERSION
-from sharded_trainer.checkpoint import committed_steps
+from sharded_operator.api.models import GROUP, PLURAL, VERSION
+from sharded_trainer.checkpoint.manager import committed_steps
 
 NS = "default"
 

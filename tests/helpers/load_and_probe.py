@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sharded_trainer.checkpoint import step_dir
-from sharded_trainer.config import load_config
-from sharded_trainer.model import preset_network
+from sharded_api.config import load_config
+from sharded_trainer.checkpoint.manager import step_dir
+from sharded_trainer.modeling.decoder import preset_network
 from sharded_trainer.process_group import init_distributed, shutdown
-from sharded_trainer.strategies import build_strategy
+from sharded_trainer.strategies.pick import build_strategy
 
 
 def main() -> None:

@@ -11,12 +11,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from sharded_trainer.config import load_config
-from sharded_trainer.hf import SafetensorsWeights, checkpoint_key
-from sharded_trainer.network import build_network
+from sharded_api.config import load_config
+from sharded_trainer.modeling.build import build_network
+from sharded_trainer.modeling.hf import SafetensorsWeights, checkpoint_key
+from sharded_trainer.modeling.quantize import is_nf4, nf4_bytes
 from sharded_trainer.process_group import init_distributed, shutdown
-from sharded_trainer.quantize import is_nf4, nf4_bytes
-from sharded_trainer.strategies import build_strategy
+from sharded_trainer.strategies.pick import build_strategy
 
 
 def main() -> None:

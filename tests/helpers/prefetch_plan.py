@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-from sharded_trainer.config import TrainerConfig
-from sharded_trainer.fsdp import apply_fsdp
-from sharded_trainer.model import build_model
-from sharded_trainer.parallel import DTYPES
+from sharded_api.config import TrainerConfig
+from sharded_trainer.modeling.decoder import build_model
 from sharded_trainer.process_group import init_distributed, shutdown
+from sharded_trainer.strategies.fsdp import apply_fsdp
+from sharded_trainer.strategies.parallel import DTYPES
 
 env = init_distributed("gloo")
 plans = {}

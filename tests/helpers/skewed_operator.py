@@ -8,7 +8,7 @@ import os
 import sys
 
 from sharded_operator import __main__ as entry  # first: it sets up kopf's registry the handlers register in
-from sharded_operator import handlers
+from sharded_operator.run import handlers
 
 _SKEW = dt.timedelta(seconds=float(os.environ["SKEW_SECONDS"]))
 _real_now = handlers._now

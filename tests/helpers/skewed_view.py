@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
-from sharded_trainer import checkpoint
 from sharded_trainer.__main__ import main
+from sharded_trainer.checkpoint import manager as checkpoint
 
 RANK = int(os.environ.get("RANK", "0"))
 if RANK != 0:

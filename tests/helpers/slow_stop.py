@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from sharded_trainer.contract import ExitCode, WorkerEnv
+from sharded_api.contract import ExitCode, WorkerEnv
 from sharded_trainer.launch import record_exit
 
 parser = argparse.ArgumentParser()

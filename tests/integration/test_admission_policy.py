@@ -13,8 +13,8 @@ from kubernetes.client.rest import ApiException
 
 from conftest import ROOT, wait_for
 from jobs import make_job
-from sharded_operator.models import GROUP, PLURAL, VERSION
-from sharded_operator.overrides import ROWS, Allow, outside
+from sharded_operator.api.models import GROUP, PLURAL, VERSION
+from sharded_operator.api.overrides import ROWS, Allow, outside
 
 pytestmark = pytest.mark.integration
 CHART = ROOT / "charts" / "sharded-training-operator"

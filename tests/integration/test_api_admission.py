@@ -9,7 +9,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from manifests import DELETE, EXAMPLES, MALFORMED, load_example, mutate
-from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_operator.api.models import GROUP, PLURAL, VERSION
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from conftest import wait_for
 from jobs import make_job
 from localstack import OperatorProcess
 from reports import mint, post
-from sharded_operator.models import GROUP, PLURAL, VERSION
+from sharded_operator.api.models import GROUP, PLURAL, VERSION
 
 pytestmark = pytest.mark.integration
 CHART = Path(__file__).resolve().parents[2] / "charts" / "sharded-training-operator"

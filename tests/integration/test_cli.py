@@ -13,7 +13,7 @@ import yaml
 
 from jobs import make_job
 from sharded_operator.client import Client, JobError
-from sharded_operator.k8s import Kube
+from sharded_operator.run.k8s import Kube
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def sharded(cluster, namespace, operator):
 
     def run(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess:
         out = subprocess.run(
-            [sys.executable, "-m", "sharded_operator.cli", "-n", namespace, *args],
+            [sys.executable, "-m", "sharded_operator.cli.main", "-n", namespace, *args],
             capture_output=True, text=True, env=env, input=stdin, timeout=180,
         )  # fmt: skip
         if check:

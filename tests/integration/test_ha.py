@@ -19,8 +19,8 @@ from conftest import wait_for
 from jobs import make_job
 from localstack import OperatorProcess, install_crd
 from reports import mint, post
-from sharded_operator.election import LEASE_SECONDS
-from sharded_operator.models import GROUP, PLURAL, VERSION, training_pods
+from sharded_operator.api.models import GROUP, PLURAL, VERSION, training_pods
+from sharded_operator.run.election import LEASE_SECONDS
 
 pytestmark = pytest.mark.integration
 LEASE = "sharded-operator"
@@ -124,7 +124,7 @@ def test_a_standby_times_the_lease_by_its_own_clock_whatever_the_holders_clock_s
     waits the Lease's whole duration."""
     from kubernetes import client
 
-    from sharded_operator.election import RENEW_DEADLINE, micro_time
+    from sharded_operator.run.election import RENEW_DEADLINE, micro_time
 
     coordination = client.CoordinationV1Api(core.api_client)
     skewed = micro_time(dt.datetime.now(dt.UTC) - dt.timedelta(seconds=10))

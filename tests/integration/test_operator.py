@@ -14,7 +14,8 @@ from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
 from jobs import make_job
-from sharded_operator.models import (
+from sharded_api.contract import iso
+from sharded_operator.api.models import (
     ANNOTATION_CREATED_BY,
     GROUP,
     LABEL_ATTEMPT,
@@ -23,7 +24,6 @@ from sharded_operator.models import (
     VERSION,
     training_pods,
 )
-from sharded_trainer.contract import iso
 
 pytestmark = pytest.mark.integration
 
@@ -411,7 +411,7 @@ def test_a_suspended_job_resumes_with_its_new_node_count(ops):
 def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, custom, cluster):
     """Reconcile reads a job, decides, then writes its status: if the job was deleted and created again under
     its name in between, that write must not land on the new object (the API server checks the UID)."""
-    from sharded_operator.k8s import Kube
+    from sharded_operator.run.k8s import Kube
 
     ops.create(gpu_job())
     old_uid = ops.job()["metadata"]["uid"]
@@ -425,7 +425,7 @@ def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, c
 def test_a_decision_written_over_an_older_version_of_the_job_is_refused_by_the_api_server(ops, cluster):
     """The fence under every reconcile's status write: the API server refuses a write over a version that is
     no longer the job's (409), and the operator reads the job again instead of landing it."""
-    from sharded_operator.k8s import Kube, Stale
+    from sharded_operator.run.k8s import Kube, Stale
 
     ops.create(gpu_job().spec("runPolicy.suspend", True))
     job = ops.job()
@@ -449,7 +449,7 @@ def test_a_decision_written_over_an_older_version_of_the_job_is_refused_by_the_a
 def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcile(core, cluster, caplog):
     """A namespace being deleted takes no new objects, events included, while the operator still reconciles
     its jobs there (their pods stop, their status changes): the event is logged and dropped."""
-    from sharded_operator.k8s import Kube
+    from sharded_operator.run.k8s import Kube
 
     ns = f"terminating-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
@@ -459,7 +459,7 @@ def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcil
     try:
         wait_for(lambda: core.read_namespace(ns).status.phase == "Terminating", what="namespace terminating")
         job = {"metadata": {"name": "j", "namespace": ns, "uid": str(uuid.uuid4())}}
-        with caplog.at_level(logging.WARNING, logger="sharded_operator.k8s"):
+        with caplog.at_level(logging.WARNING, logger="sharded_operator.run.k8s"):
             Kube.connect(str(cluster.kubeconfig)).event(job, "Normal", "Running", "every pod is running")
         assert f"event Running on {ns}/j dropped: 403" in caplog.text, caplog.text
     finally:
@@ -469,7 +469,7 @@ def test_an_event_the_api_server_refuses_is_dropped_not_raised_into_the_reconcil
 def test_a_delete_decided_for_one_pod_never_removes_a_newer_pod_of_the_same_name(ops, core, cluster):
     """Pod names are reused by every attempt: a delete decided from a listing of the old pod, landing after
     the next attempt's pod took the name, must leave that pod alone (the API server checks the UID)."""
-    from sharded_operator.k8s import Kube
+    from sharded_operator.run.k8s import Kube
 
     ops.create(gpu_job())
     ops.wait_running_attempt(1, 2)

@@ -12,17 +12,17 @@ import queue
 import pytest
 
 from conftest import wait_for
-from sharded_operator.k8s import Kube
-from sharded_operator.nodewatch import NodeWatch
-from sharded_operator.views import NodeView
-from sharded_trainer.contract import iso
+from sharded_api.contract import iso
+from sharded_operator.decide.views import NodeView
+from sharded_operator.run.k8s import Kube
+from sharded_operator.run.nodewatch import NodeWatch
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def watched(cluster, monkeypatch):
-    monkeypatch.setattr("sharded_operator.nodewatch.WATCH_SECONDS", 2)  # so the test can stop it between watches
+    monkeypatch.setattr("sharded_operator.run.nodewatch.WATCH_SECONDS", 2)  # so the test can stop it between watches
     listed: queue.Queue = queue.Queue()
     changed: queue.Queue = queue.Queue()
     watch = NodeWatch(Kube.connect(str(cluster.kubeconfig)), listed.put, lambda n, v: changed.put((n, v)))
@@ -91,10 +91,10 @@ def test_a_node_the_watch_has_not_reported_is_asked_for_before_it_is_declared_lo
     import logging
 
     from jobs import make_job
-    from sharded_operator.reconcile import Context, Snapshot, confirmed
+    from sharded_operator.decide.lifecycle import decide
+    from sharded_operator.decide.views import Observed, PodView
+    from sharded_operator.run.reconcile import Context, Snapshot, confirmed
     from sharded_operator.settings import OperatorSettings
-    from sharded_operator.status import decide
-    from sharded_operator.views import Observed, PodView
 
     name = "nodewatch-unreported"
     cluster.add_gpu_node(name)

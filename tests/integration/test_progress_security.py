@@ -14,8 +14,8 @@ import pytest
 from conftest import wait_for
 from jobs import make_job
 from reports import mint, post
-from sharded_operator.models import GROUP, PLURAL, VERSION
-from sharded_trainer.contract import MAX_REPORT_BYTES
+from sharded_api.contract import MAX_REPORT_BYTES
+from sharded_operator.api.models import GROUP, PLURAL, VERSION
 
 pytestmark = pytest.mark.integration
 CKPT = {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"}

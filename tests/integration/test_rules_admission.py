@@ -13,9 +13,9 @@ from rule_cases import rule_cases
 
 from localstack import install_crd
 from manifests import load_example, mutate
-from sharded_operator.models import GROUP, PLURAL, VERSION, ShardedTrainingJob
-from sharded_operator.quantity import is_quantity
-from sharded_trainer.config import format_validation_error
+from sharded_api.config import format_validation_error
+from sharded_api.quantity import is_quantity
+from sharded_operator.api.models import GROUP, PLURAL, VERSION, ShardedTrainingJob
 
 pytestmark = pytest.mark.integration
 CASES = rule_cases()

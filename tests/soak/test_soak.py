@@ -24,7 +24,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from jobs import make_job
-from sharded_operator.models import GROUP, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.api.models import GROUP, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
 
 pytestmark = pytest.mark.soak
 ROUNDS = 5

@@ -93,8 +93,8 @@ def test_a_model_whose_files_miss_a_parameter_is_refused_before_training_naming_
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from sharded_trainer.config import ConfigError, TrainerConfig
-    from sharded_trainer.hf import build_hf
+    from sharded_api.config import ConfigError, TrainerConfig
+    from sharded_trainer.modeling.hf import build_hf
     from tinyhf import tiny_config
 
     AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).save_pretrained(str(tmp_path))
@@ -115,9 +115,9 @@ def test_a_checkpoint_of_the_base_model_without_its_prefix_loads_into_the_causal
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
-    from sharded_trainer.config import TrainerConfig
-    from sharded_trainer.hf import build_hf, hf_logits
-    from sharded_trainer.parallel import materialize
+    from sharded_api.config import TrainerConfig
+    from sharded_trainer.modeling.hf import build_hf, hf_logits
+    from sharded_trainer.strategies.parallel import materialize
     from tinyhf import tiny_config
 
     config = tiny_config("llama", tie_word_embeddings=True)

@@ -11,9 +11,9 @@ import shutil
 import pytest
 
 from helpers.torchrun_jobs import ROOT, run_job, write_config
-from sharded_trainer.checkpoint import committed_steps, step_dir
-from sharded_trainer.contract import CORRUPT_INFIX, MARKER, TRAINER_STATE
-from sharded_trainer.durability import checksum, rng_file
+from sharded_api.contract import CORRUPT_INFIX, MARKER, TRAINER_STATE
+from sharded_trainer.checkpoint.durability import checksum, rng_file
+from sharded_trainer.checkpoint.manager import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
 

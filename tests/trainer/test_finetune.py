@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.torchrun_jobs import ROOT, run_job, run_many, stop_at_step, write_config
-from sharded_trainer.checkpoint import committed_steps, step_dir
+from sharded_trainer.checkpoint.manager import committed_steps, step_dir
 from tinyhf import ARCHITECTURES, LORA_ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 
 pytestmark = pytest.mark.trainer

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers.torchrun_jobs import run_job, write_config
-from sharded_trainer.checkpoint import committed_steps, step_dir
-from sharded_trainer.config import load_config
-from sharded_trainer.export import load_model_state
+from sharded_api.config import load_config
+from sharded_trainer.checkpoint.export import load_model_state
+from sharded_trainer.checkpoint.manager import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
 

@@ -17,9 +17,9 @@ import pytest
 
 from helpers.torchrun_jobs import ROOT, write_config
 from localcluster import free_port
+from sharded_api.contract import ExitCode, PodEnv
 from sharded_trainer.agent import helper
-from sharded_trainer.checkpoint import committed_steps
-from sharded_trainer.contract import ExitCode, PodEnv
+from sharded_trainer.checkpoint.manager import committed_steps
 from sharded_trainer.launch import children, workers
 from sharded_trainer.train import STOP_AGREE_SECONDS
 

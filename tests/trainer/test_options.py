@@ -11,7 +11,7 @@ import pytest
 
 from helpers.torchrun_jobs import HELPERS, run_job, run_many, write_config
 from images import CACHE
-from sharded_trainer.checkpoint import committed_steps, step_dir
+from sharded_trainer.checkpoint.manager import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
 # Compiled runs share one Inductor cache, kept across runs and clean clones as the virtualenv is: Inductor keys
@@ -129,8 +129,8 @@ def test_the_export_of_a_bf16_run_holds_fp32_master_weights_and_says_so(runs, st
     import torch
     from safetensors import safe_open
 
-    from sharded_trainer.config import load_config
-    from sharded_trainer.export import export_checkpoint
+    from sharded_api.config import load_config
+    from sharded_trainer.checkpoint.export import export_checkpoint
 
     directory, run, _ = runs[f"bf16-{strategy}"]
     assert run.event("finished")["step"] == 10

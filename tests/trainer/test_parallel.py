@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sharded_trainer.loss import cross_entropy, loss_function
+from sharded_trainer.modeling.loss import cross_entropy, loss_function
 
 pytestmark = pytest.mark.trainer
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.torchrun_jobs import ROOT, run_job, write_config
-from sharded_trainer.checkpoint import committed_steps, step_dir
+from sharded_trainer.checkpoint.manager import committed_steps, step_dir
 
 pytestmark = pytest.mark.trainer
 W2 = {"strategy.type": "zero2", "microBatchSize": 2, "globalBatchSize": 12, "precision": "bf16"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from sharded_api.contract import PodEnv
 from sharded_trainer.agent import WORKER, torchrun_args
-from sharded_trainer.contract import PodEnv
 
 TRAINER = ["-m", "sharded_trainer", "--config", "/etc/sharded/trainer.yaml"]
 

@@ -6,10 +6,10 @@ import pytest
 import yaml
 
 from jobs import make_job
-from sharded_operator import builders
+from sharded_api.config import TrainerConfig
+from sharded_api.contract import PodEnv
+from sharded_operator.render import builders
 from sharded_operator.settings import OperatorSettings
-from sharded_trainer.config import TrainerConfig
-from sharded_trainer.contract import PodEnv
 
 SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
 
@@ -334,7 +334,7 @@ def test_pull_secrets_runtime_class_init_containers_and_native_sidecars():
 
 
 def test_an_export_pod_is_a_training_pod_without_devices_or_rendezvous():
-    from sharded_operator.exporting import LABEL_EXPORT, ExportError, export_pod, location
+    from sharded_operator.render.export_pod import LABEL_EXPORT, ExportError, export_pod, location
 
     job = make_job("llm", "team").nodes(2).gpus(8).spec("checkpoint", {"volumeClaim": {"size": "1Ti"}}).spec(
         "resources.memory", "64Gi").spec("scheduling.nodeSelector", {"pool": "h200"}).model()  # fmt: skip
@@ -359,7 +359,7 @@ def test_an_export_pod_is_a_training_pod_without_devices_or_rendezvous():
 
 
 def test_a_hugging_face_export_pod_mounts_the_model_again_and_writes_a_directory():
-    from sharded_operator.exporting import export_pod, location
+    from sharded_operator.render.export_pod import export_pod, location
 
     models = {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
     job = make_job("ft", "team").spec("checkpoint", {"volumeClaim": {"size": "1Ti"}}).spec(

@@ -124,7 +124,7 @@ def test_the_network_policy_admits_progress_only_from_training_pods_and_metrics_
 
 
 def test_the_admission_policy_checks_the_submitter_for_each_allowlist_row(helm):
-    from sharded_operator.overrides import ROWS, Allow
+    from sharded_operator.api.overrides import ROWS, Allow
 
     [policy] = find(render(helm), "ValidatingAdmissionPolicy")
     [binding] = find(render(helm), "ValidatingAdmissionPolicyBinding")
@@ -150,7 +150,7 @@ def test_the_charts_allowlist_values_name_exactly_the_tables_rows():
     """values.schema.json, values.yaml's comment and the generated policy file follow overrides.py."""
     import json
 
-    from sharded_operator import overrides
+    from sharded_operator.api import overrides
 
     chart = ROOT / "charts" / "sharded-training-operator"
     schema = json.loads((chart / "values.schema.json").read_text())
@@ -182,7 +182,7 @@ def test_the_dashboard_and_alerts_query_only_series_the_operator_exports(helm):
     import json
     import re
 
-    from sharded_operator.jobmetrics import LABELS, METRIC_NAMES
+    from sharded_operator.run.jobmetrics import LABELS, METRIC_NAMES
 
     assert not find(render(helm), "PrometheusRule") and not find(render(helm), "ConfigMap")
     docs = render(helm, "metrics.prometheusRule.enabled=true", "metrics.prometheusRule.labels.release=prom",

@@ -11,10 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from jobs import make_job
-from sharded_operator import builders
-from sharded_operator.settings import OperatorSettings
-from sharded_trainer import contract
-from sharded_trainer.contract import (
+from sharded_api import contract
+from sharded_api.contract import (
     MAX_EVENTS,
     PodEnv,
     ProgressReport,
@@ -25,6 +23,8 @@ from sharded_trainer.contract import (
     parse_step_dir,
     step_dir_name,
 )
+from sharded_operator.render import builders
+from sharded_operator.settings import OperatorSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ["operator", "trainer", "hack"]
@@ -72,7 +72,7 @@ def test_no_module_but_the_contract_writes_a_contract_name():
                 hits = [n for n in WORD_NAMES if re.search(rf"(?<![\w]){re.escape(n)}(?![\w])", text)]
                 hits += [n for n in EXACT_NAMES if text == n]
                 stray += [f"{path.relative_to(ROOT)}:{line}: {n!r}" for n in hits]
-    assert not stray, "write these through sharded_trainer.contract instead:\n" + "\n".join(stray)
+    assert not stray, "write these through sharded_api.contract instead:\n" + "\n".join(stray)
 
 
 def test_the_scan_finds_a_planted_stray(tmp_path):

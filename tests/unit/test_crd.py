@@ -5,12 +5,12 @@ from __future__ import annotations
 import yaml
 
 from conftest import CRD_FILE
-from sharded_operator import crdgen
+from sharded_operator.api import crdgen
 
 
 def test_crd_file_matches_the_models():
     assert CRD_FILE.read_text() == crdgen.render(), (
-        "crds/ is out of date with operator/sharded_operator/models.py: run `make crds` and commit the result"
+        "crds/ is out of date with operator/sharded_operator/api/models.py: run `make crds` and commit the result"
     )
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from sharded_trainer.config import DataConfig
-from sharded_trainer.data import ShardedLoader, TokenSource
+from sharded_api.config import DataConfig
+from sharded_trainer.data.sources import ShardedLoader, TokenSource
 
 
 @pytest.fixture

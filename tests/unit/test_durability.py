@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sharded_trainer.durability import checksum, verify
+from sharded_trainer.checkpoint.durability import checksum, verify
 
 
 def test_a_hostile_marker_makes_the_checkpoint_unverifiable_never_a_crash_or_a_read_elsewhere(tmp_path):

@@ -8,11 +8,11 @@ import datetime as dt
 import pytest
 
 from jobs import make_job
-from sharded_operator.models import ShardedTrainingJobStatus
-from sharded_operator.progress import merge_report
-from sharded_operator.status import decide
-from sharded_operator.views import NodeView, Observed, PodView
-from sharded_trainer.contract import ProgressReport, iso
+from sharded_api.contract import ProgressReport, iso
+from sharded_operator.api.models import ShardedTrainingJobStatus
+from sharded_operator.decide.lifecycle import decide
+from sharded_operator.decide.progress import merge_report
+from sharded_operator.decide.views import NodeView, Observed, PodView
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 GRACE = {"restart": 30, "suspend": 120}
@@ -222,7 +222,7 @@ def test_pod_view_reads_disruption_termination_and_deletion_times():
 
 
 def test_a_refused_create_sets_a_condition_and_one_event_until_creates_go_through():
-    from sharded_operator.status import record_refusal
+    from sharded_operator.decide.lifecycle import record_refusal
 
     plan = decide_on(running(), [])
     record_refusal(plan, ("Forbidden", "Pod j-0: exceeded quota: pods=1"), iso(NOW))

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sharded_trainer import fence
-from sharded_trainer.checkpoint import committed_steps
-from sharded_trainer.contract import MARKER, step_dir_name
-from sharded_trainer.fence import ASIDE_INFIX, Superseded, committed_by, install, remove
+from sharded_api.contract import MARKER, step_dir_name
+from sharded_trainer.checkpoint import fence
+from sharded_trainer.checkpoint.fence import ASIDE_INFIX, Superseded, committed_by, install, remove
+from sharded_trainer.checkpoint.manager import committed_steps
 
 
 def save(root: Path, step: int, generation: int, payload: str = "") -> Path:

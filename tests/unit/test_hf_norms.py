@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from sharded_trainer.hf import fuse_rms_norms
+from sharded_trainer.modeling.hf import fuse_rms_norms
 from tinyhf import ARCHITECTURES, model_config
 
 

@@ -36,7 +36,7 @@ def test_any_change_to_a_built_file_its_name_the_dockerfile_or_the_base_changes_
 
     first = digest()
     assert digest() == first
-    module = tree / "operator" / "sharded_operator" / "reconcile.py"
+    module = tree / "operator" / "sharded_operator" / "run" / "reconcile.py"
     module.write_text(module.read_text() + "\n# changed\n")
     changed = digest()
     assert changed != first

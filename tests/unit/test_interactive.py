@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from sharded_trainer.contract import ExitCode, PodEnv
+from sharded_api.contract import ExitCode, PodEnv
 from sharded_trainer.interactive import by_hand, jupyter_argv
 
 

@@ -10,8 +10,8 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from sharded_operator.issuer import IssuerKeys, key_id, sender_from_claims
-from sharded_operator.progress import Refusal, Sender
+from sharded_operator.decide.progress import Refusal, Sender
+from sharded_operator.run.issuer import IssuerKeys, key_id, sender_from_claims
 
 ISSUER, AUD = "https://kubernetes.default.svc", "training.sharded.dev/progress"
 

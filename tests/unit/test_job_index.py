@@ -9,10 +9,10 @@ import json
 
 import kopf
 
-from sharded_operator import handlers
-from sharded_operator.nodewatch import Gone
-from sharded_operator.reconcile import Context
-from sharded_operator.views import JobView, NodeView, PodView
+from sharded_operator.decide.views import JobView, NodeView, PodView
+from sharded_operator.run import handlers
+from sharded_operator.run.nodewatch import Gone
+from sharded_operator.run.reconcile import Context
 
 
 def job(name: str, uid: str, *, phase: str | None = None, host_port: int | None = None, deleting: bool = False,

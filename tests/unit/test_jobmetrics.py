@@ -6,9 +6,9 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sharded_operator.jobmetrics import METRIC_NAMES
-from sharded_operator.models import ShardedTrainingJobStatus
-from sharded_operator.web import Metrics
+from sharded_operator.api.models import ShardedTrainingJobStatus
+from sharded_operator.run.jobmetrics import METRIC_NAMES
+from sharded_operator.run.web import Metrics
 
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 

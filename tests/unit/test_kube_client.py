@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from sharded_operator import transport
-from sharded_operator.k8s import Kube, retrying
-from sharded_operator.transport import ApiError, ConfigError, Transport, Unreachable
+from sharded_operator.run import transport
+from sharded_operator.run.k8s import Kube, retrying
+from sharded_operator.run.transport import ApiError, ConfigError, Transport, Unreachable
 
 ROOT = Path(__file__).resolve().parents[2]
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
@@ -278,7 +278,7 @@ def test_a_server_that_does_not_answer_is_unreachable_and_retried_as_a_dropped_c
 
 def test_the_operator_process_never_loads_the_kubernetes_package():
     """kopf imports it when installed; `python -m sharded_operator` hides it while kopf loads."""
-    code = ("import sys, sharded_operator.__main__, sharded_operator.handlers; "
+    code = ("import sys, sharded_operator.__main__, sharded_operator.run.handlers; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kubernetes'))")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

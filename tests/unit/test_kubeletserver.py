@@ -86,7 +86,7 @@ def test_hostile_frames_are_refused():
 
 
 def test_port_forward_ports_are_read_as_local_and_remote_and_bad_ones_refused():
-    from sharded_operator.cli import JobError, forward_ports
+    from sharded_operator.cli.main import JobError, forward_ports
 
     assert forward_ports("8888") == (8888, 8888) and forward_ports("0:8888") == (0, 8888)
     assert forward_ports("18888:8888") == (18888, 8888)
@@ -197,8 +197,8 @@ def test_exec_of_a_program_that_does_not_exist_says_so_and_exits_127():
 
 
 def test_sharded_exec_takes_every_word_after_the_double_dash_as_the_commands(capsys, monkeypatch):
-    from sharded_operator import cli
-    from sharded_operator.cli import main
+    from sharded_operator.cli import main as cli
+    from sharded_operator.cli.main import main
 
     for wrong in (["exec", "llm"], ["exec", "llm", "--"], ["list", "--", "ls"]):
         assert main(wrong) == 1  # before any cluster is asked

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from sharded_operator import handlers, memory
-from sharded_operator.memory import Trimmer, rss_bytes
-from sharded_operator.workqueue import WorkQueue
+from sharded_operator.run import handlers, memory
+from sharded_operator.run.memory import Trimmer, rss_bytes
+from sharded_operator.run.workqueue import WorkQueue
 
 
 def test_a_trim_reports_what_it_took_off_the_resident_set():

@@ -136,7 +136,7 @@ def test_gpu_memory_is_read_as_kubernetes_quantities():
 
 
 def sharded(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sharded_operator.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sharded_operator.cli.main", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)  # fmt: skip
 
 
@@ -165,7 +165,7 @@ def test_sharded_plan_reads_the_job_from_its_manifest(tmp_path):
 
 
 def auto_config(**changes):
-    from sharded_trainer.config import TrainerConfig
+    from sharded_api.config import TrainerConfig
 
     body = {"model": {"preset": "llama-8b"}, "microBatchSize": 4, "seqLen": 2048, "strategy": {"type": "auto"},
             "precision": "bf16"}  # fmt: skip
@@ -193,7 +193,7 @@ def test_auto_keeps_the_strategy_of_the_checkpoint_and_zero2_for_fp16():
 
 
 def test_auto_refuses_before_training_when_nothing_fits():
-    from sharded_trainer.config import ConfigError
+    from sharded_api.config import ConfigError
 
     fits = r"no setting fits in 20.6 GiB \(90% of the GPU's 24 GiB less 1 GiB\) at microBatchSize 64"
     with pytest.raises(ConfigError, match=fits):
@@ -219,7 +219,7 @@ def test_a_hostile_config_json_is_refused_naming_the_field(tmp_path, content, me
 
 def refused(directory, content: str, error: type, message: str, auto_says: str) -> None:
     """config.json holding `content`: `plan` raises `error` naming it, and `strategy.type: auto` a config error."""
-    from sharded_trainer.config import ConfigError
+    from sharded_api.config import ConfigError
 
     (directory / "config.json").write_text(content)
     with pytest.raises(error, match=r"config\.json") as e:
@@ -260,7 +260,7 @@ def test_a_plain_mlp_counts_two_linears_and_a_gated_one_three():
     "content", ["", "[]", '{"fingerprint": 3}', '{"fingerprint": {"strategy": "zero3"}}', '{"fingerprint": {}}']
 )
 def test_a_checkpoint_that_does_not_name_its_strategy_names_none(tmp_path, content):
-    from sharded_trainer.checkpoint import saved_strategy
+    from sharded_trainer.checkpoint.manager import saved_strategy
 
     (tmp_path / "trainer.json").write_text(content)
     assert saved_strategy(tmp_path) is None
@@ -268,9 +268,9 @@ def test_a_checkpoint_that_does_not_name_its_strategy_names_none(tmp_path, conte
 
 
 def test_exporting_an_auto_run_whose_checkpoint_does_not_name_its_strategy_exits_2_saying_so(tmp_path, capsys):
+    from sharded_api.contract import MARKER, TRAINER_STATE
     from sharded_trainer.__main__ import main
-    from sharded_trainer.checkpoint import step_dir
-    from sharded_trainer.contract import MARKER, TRAINER_STATE
+    from sharded_trainer.checkpoint.manager import step_dir
 
     step = step_dir(tmp_path / "ckpt", 10)
     step.mkdir(parents=True)
@@ -286,7 +286,7 @@ def test_exporting_an_auto_run_whose_checkpoint_does_not_name_its_strategy_exits
 def test_a_bad_gpu_memory_limit_fails_before_training_naming_the_variable(monkeypatch, value):
     import torch
 
-    from sharded_trainer.config import ConfigError
+    from sharded_api.config import ConfigError
     from sharded_trainer.process_group import DistEnv
     from sharded_trainer.train import gpu_memory
 

@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from manifests import EXAMPLES, MALFORMED, load_example, mutate
-from sharded_operator.models import ShardedTrainingJob
-from sharded_trainer.config import format_validation_error
+from sharded_api.config import format_validation_error
+from sharded_operator.api.models import ShardedTrainingJob
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sharded_operator.k8s import Expired, Kube, Malformed
-from sharded_operator.nodewatch import STUCK_AFTER, NodeWatch, changes
-from sharded_operator.views import NodeView
+from sharded_operator.decide.views import NodeView
+from sharded_operator.run.k8s import Expired, Kube, Malformed
+from sharded_operator.run.nodewatch import STUCK_AFTER, NodeWatch, changes
 
 
 def node(name: str, rv: str, ready: bool | None = True, beat: str = "t0",
@@ -96,7 +96,7 @@ def test_not_ready_then_unknown_keeps_the_first_time_the_node_stopped_being_read
 
 
 def test_a_dropped_watch_resumes_from_the_last_version_seen(monkeypatch):
-    monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
+    monkeypatch.setattr("sharded_operator.run.nodewatch.RETRY_SECONDS", (0.01, 0.01))
     lists = [([node("a", "1")], "10")]
     watches = [[("MODIFIED", node("a", "11", ready=False)), ConnectionResetError("dropped")],
                [("MODIFIED", node("a", "12"))]]  # fmt: skip
@@ -118,7 +118,7 @@ def test_an_expired_watch_lists_again_and_reports_only_what_changed_meanwhile():
 
 def test_an_event_that_cannot_be_read_lists_again_instead_of_resuming_into_it(monkeypatch, caplog):
     # Resuming from the version before such an event would bring it back on every try.
-    monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
+    monkeypatch.setattr("sharded_operator.run.nodewatch.RETRY_SECONDS", (0.01, 0.01))
     lists = [([node("a", "1"), node("b", "2")], "10"),
              ([node("a", "20", ready=False), node("b", "21")], "30")]  # fmt: skip
     watches = [[("MODIFIED", node("b", "11", ready=False)),
@@ -128,12 +128,12 @@ def test_an_event_that_cannot_be_read_lists_again_instead_of_resuming_into_it(mo
     not_ready = NodeView(ready=False, since="2026-01-01T00:00:00Z")
     assert changed == [("b", not_ready)]
     assert listed[1] == {"a": not_ready, "b": NodeView(ready=True)}  # what the skipped event may have said
-    (record,) = [r for r in caplog.records if r.name == "sharded_operator.nodewatch" and r.levelname != "INFO"]
+    (record,) = [r for r in caplog.records if r.name == "sharded_operator.run.nodewatch" and r.levelname != "INFO"]
     assert record.levelname == "WARNING" and "could not be read" in record.getMessage() and not record.exc_info
 
 
 def test_a_watch_failing_again_and_again_at_one_version_lists_again(monkeypatch, caplog):
-    monkeypatch.setattr("sharded_operator.nodewatch.RETRY_SECONDS", (0.01, 0.01))
+    monkeypatch.setattr("sharded_operator.run.nodewatch.RETRY_SECONDS", (0.01, 0.01))
     lists = [([node("a", "1")], "10"), ([node("a", "40")], "40")]
     watches = [[RuntimeError("refused")]] * STUCK_AFTER
     listed, _, _, kube = run(lists, watches)

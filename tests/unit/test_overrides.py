@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from jobs import make_job
-from sharded_operator import builders, overrides
-from sharded_operator.overrides import ROWS, Allow, forbidden, outside
+from sharded_operator.api import overrides
+from sharded_operator.api.overrides import ROWS, Allow, forbidden, outside
+from sharded_operator.render import builders
 from sharded_operator.settings import OperatorSettings
 
 CASES = [(row, example) for row in ROWS for example in row.risky]
@@ -96,4 +97,6 @@ def test_the_infiniband_pod_the_allowlist_admits_is_what_the_builder_renders():
 def test_the_security_model_in_the_docs_lists_exactly_the_tables_rows():
     """docs/install.md shows the table as overrides.table() renders it: a row added or reworded is documented."""
     docs = (Path(__file__).resolve().parents[2] / "docs" / "install.md").read_text()
-    assert overrides.table() in docs, "paste sharded_operator.overrides.table() into docs/install.md's Security model"
+    assert overrides.table() in docs, (
+        "paste sharded_operator.api.overrides.table() into docs/install.md's Security model"
+    )

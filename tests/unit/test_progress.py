@@ -13,10 +13,9 @@ import threading
 import pytest
 
 from jobs import make_job
-from sharded_operator.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, Observed, claim, micro_time
-from sharded_operator.intake import MAX_PENDING, Bucket, JobDesk, ProgressDesk, TTLCache
-from sharded_operator.models import LABEL_ATTEMPT, LABEL_JOB, ShardedTrainingJobStatus
-from sharded_operator.progress import (
+from sharded_api.contract import ProgressReport, TrainerEventType, iso
+from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_JOB, ShardedTrainingJobStatus
+from sharded_operator.decide.progress import (
     POD_NAME_EXTRA,
     POD_UID_EXTRA,
     Refusal,
@@ -27,9 +26,10 @@ from sharded_operator.progress import (
     precheck,
     sender_from_review,
 )
+from sharded_operator.run.election import LEASE_SECONDS, RENEW_DEADLINE, Leadership, Observed, claim, micro_time
+from sharded_operator.run.intake import MAX_PENDING, Bucket, JobDesk, ProgressDesk, TTLCache
+from sharded_operator.run.web import Health, Metrics
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.web import Health, Metrics
-from sharded_trainer.contract import ProgressReport, TrainerEventType, iso
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 CKPT_8, CKPT_9 = ({"step": n, "path": f"/checkpoints/step-{n:08d}", "time": "2026-01-01T00:00:00Z"} for n in (8, 9))
@@ -294,7 +294,7 @@ def test_progress_work_runs_on_its_own_threads_and_is_shed_past_its_bound():
 def test_a_flush_whose_writes_fail_says_so_until_one_lands_and_hearing_stops_meanwhile():
     """Reports taken but not written (the API server away) leave status behind what the pods said: the desk
     says so, and the operator's hearing (what the hang timers count) stops until writes land again."""
-    from sharded_operator.election import Hearing
+    from sharded_operator.run.election import Hearing
 
     kube = SlowKube()
     kube.gate.set()
@@ -402,7 +402,7 @@ def test_the_holders_deadline_runs_from_before_its_request_not_from_a_slow_answe
 
 
 def test_a_change_of_only_the_reported_fields_does_not_cause_a_reconcile():
-    from sharded_operator.handlers import _digest
+    from sharded_operator.run.handlers import _digest
 
     job = make_job().status(attempt=1, phase="Running").obj()
     job["metadata"]["resourceVersion"] = "1"
@@ -436,6 +436,6 @@ def test_the_export_and_the_held_out_loss_show_in_status():
     assert fields["export"] == export and fields["progress"]["evalLoss"] == 0.25
     assert events == [("Normal", "ExportWritten", "event 1")]
     # Only reports write it: a reconcile's status patch never names it.
-    from sharded_operator.progress import REPORT_FIELDS
+    from sharded_operator.decide.progress import REPORT_FIELDS
 
     assert "export" in REPORT_FIELDS

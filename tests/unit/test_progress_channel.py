@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sharded_trainer import reporting
-from sharded_trainer.contract import MAX_REPORT_BYTES, PodEnv, TrainerEventType
-from sharded_trainer.reporting import ProgressReporter, ReportTarget, target_from_env
+from sharded_api.contract import MAX_REPORT_BYTES, PodEnv, TrainerEventType
+from sharded_trainer.reporting import progress as reporting
+from sharded_trainer.reporting.progress import ProgressReporter, ReportTarget, target_from_env
 
 UID = "0b5e3c1e-6f7a-4d1e-9a51-3c2b9d8f7e10"
 

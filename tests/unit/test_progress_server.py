@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 
-from sharded_operator import web
+from sharded_operator.run import web
 
 HOST = "127.0.0.1"
 
@@ -96,7 +96,7 @@ def test_a_stalled_body_gets_408_and_nothing_is_taken():
 
 
 def test_an_oversized_body_is_refused_with_413():
-    from sharded_trainer.contract import MAX_REPORT_BYTES
+    from sharded_api.contract import MAX_REPORT_BYTES
 
     async def go():
         runner, _guard, port, seen = await serve()

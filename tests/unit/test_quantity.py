@@ -8,8 +8,8 @@ import pytest
 from quantities import QUANTITIES
 
 from jobs import make_job
-from sharded_operator import builders
-from sharded_operator.quantity import QuantityError, is_quantity, parse_quantity
+from sharded_api.quantity import QuantityError, is_quantity, parse_quantity
+from sharded_operator.render import builders
 
 
 def test_the_table_is_wide_enough():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sharded_trainer.quantize import block_sizes, is_nf4, quantize_base
+from sharded_trainer.modeling.quantize import block_sizes, is_nf4, quantize_base
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ import logging
 import pytest
 
 from jobs import make_job
-from sharded_operator.k8s import Stale, Written
-from sharded_operator.reconcile import Context, Snapshot, reconcile
+from sharded_operator.decide.views import NodeView, PodView
+from sharded_operator.run.k8s import Stale, Written
+from sharded_operator.run.reconcile import Context, Snapshot, reconcile
 from sharded_operator.settings import OperatorSettings
-from sharded_operator.views import NodeView, PodView
 
 
 class Crash(BaseException):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from sharded_trainer.config import DataConfig, TrainerConfig
-from sharded_trainer.data import IGNORE, ShardedLoader
-from sharded_trainer.records import DataError, RecordSource, build_cache, cache_key, is_ready, load_tokenizer
+from sharded_api.config import DataConfig, TrainerConfig
+from sharded_trainer.data.records import DataError, RecordSource, build_cache, cache_key, is_ready, load_tokenizer
+from sharded_trainer.data.sources import IGNORE, ShardedLoader
 from tinyhf import ARCHITECTURES, write_chat_data, write_model, write_tokenizer
 
 
@@ -179,8 +179,8 @@ def test_record_sources_need_a_path_and_a_tokenizer():
 def test_blocks_wrapped_for_activation_checkpointing_are_still_found_as_the_decoder_layers(tmp_path):
     """ZeRO-2 wraps each block for activation checkpointing before QLoRA quantizes the base, which looks the
     blocks up again (this failed on the GPU when strategy auto chose zero2+activationCheckpointing for QLoRA)."""
-    from sharded_trainer.network import build_network
-    from sharded_trainer.parallel import decoder_layers, wrap_blocks
+    from sharded_trainer.modeling.build import build_network
+    from sharded_trainer.strategies.parallel import decoder_layers, wrap_blocks
 
     directory = write_model(tmp_path / "llama", "llama")
     net = build_network(TrainerConfig.model_validate({"model": {"huggingface": {"path": str(directory)}}}))
@@ -196,8 +196,8 @@ def test_each_architecture_loads_as_transformers_loads_it(tmp_path, arch):
     a sharded run reads its shard), the model computes what `from_pretrained` loads."""
     from transformers import AutoModelForCausalLM
 
-    from sharded_trainer.network import build_network
-    from sharded_trainer.parallel import decoder_layers, materialize
+    from sharded_trainer.modeling.build import build_network
+    from sharded_trainer.strategies.parallel import decoder_layers, materialize
 
     directory = write_model(tmp_path / arch, arch, shards=True)
     cfg = TrainerConfig.model_validate({"model": {"huggingface": {"path": str(directory)}}, "precision": "fp32"})
@@ -218,7 +218,7 @@ def test_each_architecture_loads_as_transformers_loads_it(tmp_path, arch):
 def test_with_a_byte_level_tokenizer_the_answers_first_token_is_trained_on(tmp_path):
     """A byte-level BPE merges the space the template puts before the answer into the answer's first token
     (`Ġw`), which so starts before the answer: it still carries a loss, or the model never learns to begin."""
-    from sharded_trainer.records import tokenize
+    from sharded_trainer.data.records import tokenize
 
     write_tokenizer(tmp_path, byte_level=True)
     tok = load_tokenizer(str(tmp_path))
@@ -231,7 +231,7 @@ def test_with_a_byte_level_tokenizer_the_answers_first_token_is_trained_on(tmp_p
 
 @pytest.mark.parametrize("weight_file", ["../outside.safetensors", "/etc/passwd", 7])
 def test_a_safetensors_index_cannot_point_outside_the_model_directory(tmp_path, weight_file):
-    from sharded_trainer.hf import ModelDirectoryError, SafetensorsWeights
+    from sharded_trainer.modeling.hf import ModelDirectoryError, SafetensorsWeights
 
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": weight_file}}))
     with pytest.raises(ModelDirectoryError, match="must be in the model directory"):

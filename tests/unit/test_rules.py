@@ -6,11 +6,11 @@ import pytest
 from pydantic import ValidationError
 from rule_cases import models_in_job, rule_cases
 
-from sharded_operator import crdgen
-from sharded_operator.models import ShardedTrainingJob, ShardedTrainingJobSpec
-from sharded_trainer.cel import At, Ctx, Has
-from sharded_trainer.config import TrainerConfig, format_validation_error
-from sharded_trainer.rules import Rule
+from sharded_api.cel import At, Ctx, Has
+from sharded_api.config import TrainerConfig, format_validation_error
+from sharded_api.rules import Rule
+from sharded_operator.api import crdgen
+from sharded_operator.api.models import ShardedTrainingJob, ShardedTrainingJobSpec
 
 CASES = rule_cases()
 

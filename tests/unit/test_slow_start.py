@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sharded_operator import reconcile
-from sharded_operator.k8s import Refused
-from sharded_operator.reconcile import SLOW_START_GROWTH, Context, _create_pods
+from sharded_operator.run import reconcile
+from sharded_operator.run.k8s import Refused
+from sharded_operator.run.reconcile import SLOW_START_GROWTH, Context, _create_pods
 from sharded_operator.settings import OperatorSettings
 
 

@@ -7,9 +7,9 @@ import datetime as dt
 import pytest
 
 from jobs import make_job
-from sharded_operator.status import decide
-from sharded_operator.views import NodeView, Observed, PodView
-from sharded_trainer.contract import iso
+from sharded_api.contract import iso
+from sharded_operator.decide.lifecycle import decide
+from sharded_operator.decide.views import NodeView, Observed, PodView
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 GRACE = {"restart": 30, "suspend": 120}

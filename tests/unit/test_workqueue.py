@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from sharded_operator.recent import Recent
-from sharded_operator.views import PodView
-from sharded_operator.workqueue import WorkQueue
+from sharded_operator.decide.views import PodView
+from sharded_operator.run.recent import Recent
+from sharded_operator.run.workqueue import WorkQueue
 
 
 class Clock:
@@ -135,7 +135,7 @@ def test_the_status_written_overrides_an_older_watched_one_and_yields_to_the_wat
 
 
 def test_a_progress_write_wakes_reconcile_only_when_a_decision_reads_what_it_changed():
-    from sharded_operator.handlers import _digest
+    from sharded_operator.run.handlers import _digest
 
     def job(**progress) -> dict:
         report = {"step": 10, "loss": 2.5, "attempt": 1, "run": "r1", "nodes": 2, "observedAt": "t0", **progress}

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sharded_trainer.config import ConfigError, load_config
-from sharded_trainer.contract import ExitCode
+from sharded_api.config import ConfigError, load_config
+from sharded_api.contract import ExitCode
 from sharded_trainer.launch import record_exit
-from sharded_trainer.reporting import target_from_env
+from sharded_trainer.reporting.progress import target_from_env
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,7 +84,7 @@ def _main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.INVALID_CONFIG
     if export:
-        from sharded_trainer.export import export_checkpoint
+        from sharded_trainer.checkpoint.export import export_checkpoint
 
         try:
             out = export_checkpoint(cfg, args.checkpoint, args.out, merge=args.merge)

@@ -23,7 +23,7 @@ import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
-from sharded_trainer.contract import PodEnv
+from sharded_api.contract import PodEnv
 
 # What a worker imports on the way to its first step (measured on an FSDP run: torch._dynamo and the DCP
 # state-dict helpers are imported lazily by FSDP2 and the checkpoint load, another 2 s).
@@ -35,9 +35,9 @@ PRELOAD = [
     "torch.distributed.checkpoint.state_dict",
     "torch._dynamo",
     "sharded_trainer.train",
-    "sharded_trainer.fsdp",
-    "sharded_trainer.zero2",
-    "sharded_trainer.strategies",
+    "sharded_trainer.strategies.fsdp",
+    "sharded_trainer.strategies.zero2",
+    "sharded_trainer.strategies.pick",
 ]
 
 # The script torchrun runs in each worker (`--run-path`): the trainer's own entry point.

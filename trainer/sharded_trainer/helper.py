@@ -25,10 +25,10 @@ import sys
 import threading
 from typing import NoReturn
 
-from sharded_trainer.config import TrainerConfig, load_config
-from sharded_trainer.contract import DEFAULT_CONFIG_PATH, ExitCode, WorkerEnv, iso
+from sharded_api.config import TrainerConfig, load_config
+from sharded_api.contract import DEFAULT_CONFIG_PATH, ExitCode, WorkerEnv, iso
 from sharded_trainer.launch import record_exit
-from sharded_trainer.reporting import ProgressReporter, target_from_env
+from sharded_trainer.reporting.progress import ProgressReporter, target_from_env
 
 # A local run's stand-in for the operator: rank 0 rewrites this JSON file with its progress.
 PROGRESS_FILE_ENV = "SHARDED_PROGRESS_FILE"

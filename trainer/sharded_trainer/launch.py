@@ -29,9 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from sharded_api.config import ConfigError, load_config
+from sharded_api.contract import STOPPING, ExitCode, PodEnv, WorkerEnv
 from sharded_trainer.agent import helper, torchrun_args
-from sharded_trainer.config import ConfigError, load_config
-from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, WorkerEnv
 
 
 def log(msg: str) -> None:

@@ -29,8 +29,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sharded_trainer.config import ConfigError, StrategyConfig, TrainerConfig
-from sharded_trainer.presets import PRESETS
+from sharded_api.config import ConfigError, StrategyConfig, TrainerConfig
+from sharded_api.presets import PRESETS
 
 GIB = 1024**3
 ACT_SCALE = 1.013  # measured bytes per token per block over the saved tensors counted (llama-1b)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sharded_trainer.contract import PodEnv, WorkerEnv
+from sharded_api.contract import PodEnv, WorkerEnv
 
 
 @dataclass(frozen=True)

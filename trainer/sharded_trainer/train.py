@@ -14,9 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sharded_trainer import memplan, records
-from sharded_trainer.checkpoint import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
-from sharded_trainer.config import (
+from sharded_api.config import (
     RECORD_SOURCES,
     ConfigError,
     TrainerConfig,
@@ -24,16 +22,19 @@ from sharded_trainer.config import (
     describe_batch,
     with_kept_batch,
 )
-from sharded_trainer.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
-from sharded_trainer.data import IGNORE, ShardedLoader, TokenSource, collate
-from sharded_trainer.metrics import Meter, emit
-from sharded_trainer.model import Network
-from sharded_trainer.network import build_network
-from sharded_trainer.parallel import mean_over_ranks
+from sharded_api.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
+from sharded_trainer import memplan
+from sharded_trainer.checkpoint.manager import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
+from sharded_trainer.data import records
+from sharded_trainer.data.sources import IGNORE, ShardedLoader, TokenSource, collate
+from sharded_trainer.modeling.build import build_network
+from sharded_trainer.modeling.decoder import Network
 from sharded_trainer.process_group import DistEnv, any_true
-from sharded_trainer.reporting import ProgressReporter, ReportTarget
-from sharded_trainer.strategies import build_strategy
-from sharded_trainer.tensorboard import EventWriter
+from sharded_trainer.reporting.metrics import Meter, emit
+from sharded_trainer.reporting.progress import ProgressReporter, ReportTarget
+from sharded_trainer.reporting.tensorboard import EventWriter
+from sharded_trainer.strategies.parallel import mean_over_ranks
+from sharded_trainer.strategies.pick import build_strategy
 
 # How long ranks stopped by torchrun (not by the launcher) may take to agree on a final checkpoint: the
 # vote is a tiny all-reduce after the iteration in progress, which only a peer that does not answer holds up
@@ -321,7 +322,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
 
 def export_at_end(cfg: TrainerConfig, report: ProgressReporter, committed: dict) -> None:
     """Rank 0 writes the final checkpoint as a Hugging Face directory (the other ranks are done)."""
-    from sharded_trainer.hf_export import export_hf
+    from sharded_trainer.checkpoint.hf_export import export_hf
 
     out = Path(cfg.checkpoint.dir) / "export"
     written = export_hf(cfg, committed["path"], str(out))

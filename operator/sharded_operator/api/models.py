@@ -1,0 +1,426 @@
+"""The ShardedTrainingJob API: names, the spec and status models, the single source of the CRD in crds/.
+
+Field descriptions become the CRD's OpenAPI descriptions (`kubectl explain stj.spec`); each model's
+`rules` become admission-time CEL rules and are checked again in Python with the same wording, so an
+object that slipped past admission (an older CRD, say) fails with the same message instead of
+reaching a pod. The parts of the spec live in `spec`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import ConfigDict, Field
+
+from sharded_api.cel import At, Has
+from sharded_api.config import StrategyConfig, TrainerConfig, TrainingSpec
+from sharded_api.contract import DEFAULT_CONFIG_PATH, WorkerEnv
+from sharded_api.rules import Rule, Ruled
+from sharded_operator.api.spec import (
+    PROCS_SCHEMA,
+    TRAINER_CONTAINER,
+    ApiModel,
+    Checkpoint,
+    Elastic,
+    FailurePolicy,
+    Interactive,
+    Network,
+    PodOverrides,
+    Quantity,
+    Rendezvous,
+    Resources,
+    RunPolicy,
+    Scheduling,
+    _quantity_field,
+)
+
+GROUP = "training.sharded.dev"
+VERSION = "v1alpha1"
+KIND = "ShardedTrainingJob"
+PLURAL = "shardedtrainingjobs"
+SHORT_NAME = "stj"
+# Labels on every child of a job: which job, which node of the gang, which attempt created it.
+LABEL_JOB = f"{GROUP}/job-name"
+LABEL_INDEX = f"{GROUP}/node-index"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_ROLE = f"{GROUP}/role"  # set on the rendezvous store pod only: training pods carry a node index instead
+ROLE_RENDEZVOUS = "rendezvous"
+STORE_CONTAINER = "rendezvous"
+
+
+def training_pods(job: str) -> str:
+    """Label selector of a job's training pods (those with a node index), not its rendezvous store pod."""
+    return f"{LABEL_JOB}={job},{LABEL_INDEX}"
+
+# On the checkpoint claim, which outlives its job when retained: the UID of the job that created it.
+ANNOTATION_CREATED_BY = f"{GROUP}/created-by-uid"
+CONTAINER = TRAINER_CONTAINER  # the trainer's container in every pod
+# Pods are named <job>-<index> and double as hostnames (63-character DNS labels); PVCs <job>-checkpoints.
+MAX_NAME_LENGTH = 50
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+_GPUS = At("resources.gpusPerNode")
+_TRAINER_ROOTS = {"precision": "trainer.precision", "lora": "trainer.lora", "model": "trainer.model"}
+SPEC_RULES = (
+    Rule(
+        "nodes", "must lie between elastic.minNodes and elastic.maxNodes",
+        Has("elastic").implies(At("elastic.minNodes").le(At("nodes")) & At("nodes").le(At("elastic.maxNodes"))),
+        good=({"nodes": 2, "elastic": {"minNodes": 1, "maxNodes": 2}},),
+        bad=(
+            {"nodes": 3, "elastic": {"minNodes": 1, "maxNodes": 2}},
+            {"nodes": 1, "elastic": {"minNodes": 2, "maxNodes": 4}},
+        ),
+    ),
+    Rule(
+        "network.infiniband.enabled",
+        "InfiniBand needs GPUs: set resources.gpusPerNode > 0 or disable network.infiniband",
+        At("network.infiniband.enabled").implies(_GPUS.gt(0)),
+        good=({"network": {"infiniband": {"enabled": True}}, "resources": {"gpusPerNode": 8}},),
+        bad=({"network": {"infiniband": {"enabled": True}}},),
+    ),
+    Rule(
+        "network.backend", "nccl needs GPUs: set resources.gpusPerNode > 0 or use backend auto or gloo",
+        At("network.backend").ne("nccl") | _GPUS.gt(0),
+        good=({"network": {"backend": "nccl"}, "resources": {"gpusPerNode": 2}},),
+        bad=({"network": {"backend": "nccl"}},),
+    ),
+    Rule(
+        "procsPerNode", "exceeds resources.gpusPerNode: each process needs a GPU of its own",
+        (At("procsPerNode").is_int() & _GPUS.gt(0)).implies(At("procsPerNode").le(_GPUS)),
+        good=({"procsPerNode": 4, "resources": {"gpusPerNode": 4}}, {"procsPerNode": 8}),
+        bad=({"procsPerNode": 8, "resources": {"gpusPerNode": 4}},),
+    ),
+    # TrainerConfig's own rules (TrainingSpec's hold under spec.trainer already), on the job's paths.
+    # An NF4 base needs GPUs (a rule below): the examples have them.
+    *(r.rebased(_TRAINER_ROOTS, context={"resources": {"gpusPerNode": 8}})
+      for r in TrainerConfig.rules if r not in TrainingSpec.rules),
+    Rule(
+        "trainer.exportOnSuccess", "needs spec.checkpoint and trainer.model.huggingface: the export is a Hugging "
+        "Face directory written next to the checkpoints",
+        At("trainer.exportOnSuccess").implies(Has("checkpoint") & Has("trainer.model.huggingface")),
+        good=({"trainer": {"exportOnSuccess": True, "model": {"huggingface": {"path": "/m"}, "preset": None}},
+               "checkpoint": {"volumeClaim": {"size": "1Gi"}}},),
+        bad=({"trainer": {"exportOnSuccess": True, "model": {"huggingface": {"path": "/m"}, "preset": None}},
+              "checkpoint": None},
+             {"trainer": {"exportOnSuccess": True}, "checkpoint": {"volumeClaim": {"size": "1Gi"}}}),
+    ),
+    Rule(
+        "trainer.lora.quantizeBase", "NF4 weights are for GPUs: set resources.gpusPerNode > 0, or remove "
+        "quantizeBase to train the adapters over a bf16 base",
+        Has("trainer.lora.quantizeBase").implies(_GPUS.gt(0)),
+        good=({"trainer": {"lora": {"quantizeBase": "nf4"}, "model": {"huggingface": {"path": "/m"}, "preset": None}},
+               "resources": {"gpusPerNode": 8}},),
+        bad=({"trainer": {"lora": {"quantizeBase": "nf4"}, "model": {"huggingface": {"path": "/m"}, "preset": None}}},),
+    ),
+    Rule(
+        "trainer.tensorboard", "needs spec.checkpoint: the event files are written next to the checkpoints",
+        At("trainer.tensorboard").implies(Has("checkpoint")),
+        good=({"trainer": {"tensorboard": True}, "checkpoint": {"volumeClaim": {"size": "1Gi"}}},),
+        bad=({"trainer": {"tensorboard": True}, "checkpoint": None},),
+    ),
+    Rule(
+        "scheduling.gang.enabled", "gang scheduling cannot be combined with elastic: a gang has a fixed size",
+        At("scheduling.gang.enabled").implies(~Has("elastic")),
+        good=({"scheduling": {"gang": {"enabled": True}}},),
+        bad=({"scheduling": {"gang": {"enabled": True}}, "elastic": {"minNodes": 1, "maxNodes": 2}},),
+    ),
+    Rule(
+        "scheduling.queueName",
+        "Kueue admits a job as one workload of a fixed size: it cannot be combined with elastic",
+        Has("scheduling.queueName").implies(~Has("elastic")),
+        good=({"scheduling": {"queueName": "team-a"}}, {"elastic": {"minNodes": 1, "maxNodes": 2}}),
+        bad=({"scheduling": {"queueName": "team-a"}, "elastic": {"minNodes": 1, "maxNodes": 2}},),
+    ),
+    Rule(
+        "interactive", "runs JupyterLab instead of a script: remove spec.command (run it by hand from the session)",
+        Has("interactive").implies(~Has("command")),
+        good=({"interactive": {"port": 8888}}, {"command": ["train.py"]}),
+        bad=({"interactive": {"port": 8888}, "command": ["train.py"]},),
+    ),
+    Rule(
+        "interactive", "a session waits for a person, not for progress: remove failurePolicy.hangTimeoutSeconds and "
+        "startupTimeoutSeconds, which would restart it between runs",
+        Has("interactive").implies(
+            ~Has("failurePolicy.hangTimeoutSeconds") & ~Has("failurePolicy.startupTimeoutSeconds")
+        ),
+        good=({"interactive": {}}, {"failurePolicy": {"hangTimeoutSeconds": 600}}),
+        bad=({"interactive": {}, "failurePolicy": {"hangTimeoutSeconds": 600}},
+             {"interactive": {}, "failurePolicy": {"startupTimeoutSeconds": 600}}),
+    ),
+)  # fmt: skip
+
+
+class ShardedTrainingJobSpec(ApiModel):
+    """Desired state of a ShardedTrainingJob: nodes x processes training one model with FSDP2 or ZeRO-2."""
+
+    rules = SPEC_RULES
+    # Transition rules need the old object, which only the API server has.
+    transition_rules: ClassVar[tuple[dict, ...]] = (
+        {
+            "rule": "!has(oldSelf.strategy) || !has(self.strategy) || self.strategy.type == oldSelf.strategy.type",
+            "message": "strategy.type is immutable after creation: FSDP and ZeRO-2 checkpoints are not interchangeable",
+            "fieldPath": ".strategy.type",
+        },
+        {
+            "rule": "self.nodes == oldSelf.nodes || (has(oldSelf.runPolicy) && oldSelf.runPolicy.suspend) "
+            "|| (has(self.elastic) && has(oldSelf.elastic))",
+            "message": "nodes can change only while the job is suspended (runPolicy.suspend: true) or, with elastic, "
+            "within elastic.minNodes..maxNodes: a fixed-size gang has a fixed size",
+            "fieldPath": ".nodes",
+        },
+    )
+
+    nodes: int = Field(1, ge=1, le=1024, description="Pods (one torchrun agent each, one per node).")
+    procs_per_node: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto",
+        description=f"Processes per pod: 'auto' = resources.gpusPerNode, or 2 on CPU. {WorkerEnv.WORLD_SIZE} = nodes x "
+        "this.",
+        json_schema_extra=PROCS_SCHEMA,
+    )
+    image: str = Field(..., min_length=1, max_length=1024, description="Trainer image (has torchrun and the trainer).")
+    strategy: StrategyConfig = Field(
+        default_factory=StrategyConfig, description="The one switch between FSDP2 and ZeRO-2, with each one's options."
+    )
+    trainer: TrainingSpec = Field(default_factory=TrainingSpec, description="Model, data and optimisation.")
+    command: list[str] | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Run this script (and arguments) under torchrun instead of the bundled trainer; the trainer "
+        f"config is still mounted at {DEFAULT_CONFIG_PATH}.",
+    )
+    interactive: Interactive | None = Field(
+        None,
+        description="Start the pods with every rendezvous variable set, JupyterLab on node 0 and an idle shell on the "
+        "others, instead of training: run torchrun by hand across the nodes (`sharded exec`). The session ends, and "
+        "the job succeeds, when JupyterLab on node 0 exits 0.",
+    )
+    resources: Resources = Field(default_factory=Resources, description="Per-pod resources.")
+    shm_size: Quantity | None = _quantity_field(
+        "Size of the memory-backed /dev/shm; default is half of resources.memory, or 2Gi."
+    )
+    network: Network = Field(default_factory=Network, description="Backend and networking.")
+    rendezvous: Rendezvous = Field(default_factory=Rendezvous, description="torchrun c10d rendezvous.")
+    elastic: Elastic | None = Field(None, description="Elastic min:max nodes; unset means exactly `nodes`.")
+    checkpoint: Checkpoint | None = Field(None, description="Checkpoint storage and policy; unset disables.")
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart policy.")
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Suspend, deadlines, TTL, cleanup.")
+    scheduling: Scheduling = Field(default_factory=Scheduling, description="Placement and gang scheduling.")
+    pod: PodOverrides = Field(default_factory=PodOverrides, description="Additions to every pod.")
+
+
+# --- status -------------------------------------------------------------------------------------
+
+
+class Phase(StrEnum):
+    """Where a job is in its lifecycle: Pending -> Starting -> Running (-> Restarting -> Running)* -> an end."""
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+FINISHED = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionType(StrEnum):
+    """Condition types in status.conditions: one per phase but Pending and Starting, and a few of their own."""
+
+    CREATED = "Created"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    # True with Succeeded: the name batch Jobs and JobSet use, so `kubectl wait --for=condition=Complete`
+    # scripts written for them work unchanged.
+    COMPLETE = "Complete"
+    CREATE_REFUSED = "CreateRefused"  # the API server refused a child (policy, quota, invalid object)
+    PODS_STUCK = "PodsStuck"  # a pod could not be scheduled or started for schedulingTimeoutSeconds
+
+
+class StatusModel(ApiModel):
+    """Base of the status models: keys a newer operator wrote are ignored, not refused, on a downgrade."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(
+        ..., description="Created, Running, Restarting, Suspended, Succeeded (and Complete with it), Failed, "
+        "CreateRefused or PodsStuck.",
+    )  # fmt: skip
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    reason: str = Field("", description="CamelCase reason for the last transition.")
+    message: str = Field("", description="Human-readable detail.")
+    last_transition_time: str | None = Field(None, description="When status last changed (RFC 3339).")
+
+
+class Progress(StatusModel):
+    """Training progress reported by rank 0."""
+
+    step: int = Field(0, ge=0, description="Last completed optimizer step.")
+    total_steps: int | None = Field(None, description="Steps the job trains for.")
+    loss: float | None = Field(None, description="Loss at `step`.")
+    eval_loss: float | None = Field(None, description="Loss on the held-out records at the last evaluation.")
+    tokens_per_second: float | None = Field(None, description="Throughput over all processes.")
+    mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs).")
+    updated_at: str | None = Field(None, description="When rank 0 wrote this report, by its own clock (RFC 3339).")
+    attempt: int | None = Field(None, ge=0, description="Attempt the report came from.")
+    run: str | None = Field(None, description="The reporting trainer process (a new one after each in-place restart).")
+    restart: int | None = Field(None, ge=0, description="torchrun's restart count on the reporting node.")
+    nodes: int | None = Field(None, ge=1, description="Nodes in the rendezvous round training runs with.")
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step at the current world size (nearest to "
+        "trainer.globalBatchSize when that does not divide)."
+    )
+    observed_at: str | None = Field(
+        None, description="When the operator first saw this report (its clock; hang detection counts from here)."
+    )
+
+
+class CheckpointStatus(StatusModel):
+    """The newest complete checkpoint."""
+
+    step: int = Field(..., description="Step the checkpoint holds.")
+    path: str = Field(..., description="Directory of the checkpoint inside the claim.")
+    time: str | None = Field(None, description="When it was committed (RFC 3339).")
+
+
+class FailureInfo(StatusModel):
+    """The last failure that ended an attempt."""
+
+    pod: str | None = Field(None, description="Failed pod.")
+    node: str | None = Field(None, description="Kubernetes node the pod ran on.")
+    node_rank: int | None = Field(None, description="The pod's torchrun node rank.")
+    exit_code: int | None = Field(None, description="Exit code of the trainer container.")
+    reason: str = Field(..., description="e.g. Error, OOMKilled, Evicted, NodeLost, Hang, InvalidSpec.")
+    message: str = Field("", description="Detail.")
+    attempt: int | None = Field(None, description="Attempt that failed.")
+    time: str | None = Field(None, description="When it was observed (RFC 3339).")
+
+
+class InPlaceRecovery(StatusModel):
+    """Pods of the current attempt replaced alone (failurePolicy.inPlaceRestarts), and whether training resumed."""
+
+    attempt: int = Field(..., description="The attempt these replacements belong to.")
+    replacements: int = Field(0, ge=0, description="Pods replaced alone in this attempt.")
+    since: str | None = Field(
+        None, description="When the last pod was replaced; unset once a new trainer process reported progress."
+    )
+    run: str | None = Field(None, description="The trainer process that reported last before that replacement.")
+    pending: list[int] = Field(
+        default_factory=list, max_length=1024, description="Node indices whose replacement pod is not created yet."
+    )
+    retired: list[str] = Field(
+        default_factory=list, max_length=1024, description="UIDs of replaced pods still going away: not failures."
+    )
+    last: FailureInfo | None = Field(None, description="The failure the last replacement recovered from.")
+
+
+class TrainerEventCursor(StatusModel):
+    """Which trainer events have been reported, so none is reported twice (across operator restarts too)."""
+
+    attempt: int = Field(..., description="Attempt of the trainer run that sent them.")
+    run: str = Field(..., description="Random id of that trainer process (a restarted worker has a new one).")
+    seq: int = Field(..., description="Sequence number of the last event reported.")
+
+
+class ShardedTrainingJobStatus(StatusModel):
+    """Observed state of a ShardedTrainingJob."""
+
+    phase: Phase | None = Field(
+        None, description="Pending, Starting, Running, Restarting, Succeeded, Failed, Suspended."
+    )
+    message: str | None = Field(None, description="Why the job is in this phase.")
+    conditions: list[Condition] = Field(default_factory=list, description="Kubernetes-style conditions.")
+    ready: str | None = Field(None, description="Running pods / nodes, e.g. 3/4.")
+    ready_nodes: int = Field(0, description="Pods of the current attempt that are running.")
+    desired_nodes: int | None = Field(None, description="spec.nodes as last acted on.")
+    current_nodes: int | None = Field(
+        None, description="Nodes training now: the current attempt's rendezvous round, as its rank 0 reports it."
+    )
+    attempt: int = Field(0, description="Current attempt (a fresh gang and rendezvous id each).")
+    restarts: int = Field(0, description="Gang restarts so far (counted against backoffLimit).")
+    disruptions: int = Field(
+        0, description="Restarts caused by disruptions (evictions, preemption, node loss), not counted as failures."
+    )
+    in_place_restarts: int = Field(
+        0, description="Worker restarts inside running pods (failurePolicy.inPlaceRestarts), over every attempt; no "
+        "pod was recreated for them.",
+    )
+    pod_replacements: int = Field(
+        0, description="Pods replaced alone while the others kept running (over every attempt); gang restarts are "
+        "restarts and disruptions.",
+    )
+    recovery: InPlaceRecovery | None = Field(None, description="In-place recovery of the current attempt.")
+    progress: Progress | None = Field(None, description="Live training progress.")
+    last_checkpoint: CheckpointStatus | None = Field(None, description="Newest complete checkpoint.")
+    export: CheckpointStatus | None = Field(
+        None, description="The Hugging Face directory the trainer exported at the end (trainer.exportOnSuccess)."
+    )
+    resumed_from: CheckpointStatus | None = Field(
+        None,
+        description="The checkpoint training last resumed from (one an earlier job of this name left on a "
+        "retained claim, too).",
+    )
+    last_failure: FailureInfo | None = Field(None, description="Last failure that ended an attempt.")
+    host_port: int | None = Field(
+        None, description="With network.hostNetwork: the port the job's pods bind on their nodes (the rendezvous), "
+        "chosen from the operator's hostPortRange and declared as a hostPort.",
+    )
+    start_time: str | None = Field(None, description="When the job first started (RFC 3339).")
+    active_since: str | None = Field(
+        None, description="When the job last became active: its start or its last resume (activeDeadlineSeconds)."
+    )
+    completion_time: str | None = Field(None, description="When the job succeeded or failed (RFC 3339).")
+    observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
+    last_trainer_event: TrainerEventCursor | None = Field(
+        None, description="The last trainer event already turned into status and a Kubernetes event."
+    )
+
+
+class ShardedTrainingJob(Ruled):
+    """A whole object as read from the API server."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+    rules = (
+        Rule(
+            "", f"metadata.name must be at most {MAX_NAME_LENGTH} characters: pods are named <name>-<index> and "
+            "used as 63-character hostnames",
+            Has("metadata.name").implies(At("metadata.name").size().le(MAX_NAME_LENGTH)),
+            good=({"metadata": {"name": "a" * MAX_NAME_LENGTH}},), bad=({"metadata": {"name": "a" * 51}},),
+        ),
+        Rule(
+            "", "metadata.name must be a DNS label starting with a letter (a-z, 0-9, '-'): it names the headless "
+            "Service",
+            Has("metadata.name").implies(At("metadata.name").matches(NAME_PATTERN)),
+            good=({"metadata": {"name": "llama-8b"}},), bad=({"metadata": {"name": "8b-llama"}},),
+        ),
+    )  # fmt: skip
+    api_version: str = Field(f"{GROUP}/{VERSION}", alias="apiVersion")
+    kind: str = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: ShardedTrainingJobSpec
+    status: ShardedTrainingJobStatus = Field(default_factory=ShardedTrainingJobStatus)
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+    {"name": "Nodes", "type": "integer", "jsonPath": ".status.currentNodes"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredNodes"},
+    {"name": "Strategy", "type": "string", "jsonPath": ".spec.strategy.type"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "priority": 1},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+    {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.lastCheckpoint.step"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]

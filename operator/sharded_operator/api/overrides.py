@@ -1,0 +1,319 @@
+"""What a job-only user may put in a job's pods: an allowlist, written once, rendered as CEL and checked in Python.
+
+Whoever may create a ShardedTrainingJob gets pods created by the operator: without a check, a job would be a
+way around what its submitter may do (a confused deputy). Each row below is one way a job's pods could get
+more than a plain, restricted pod of the namespace: a Secret or an API token mounted, the host's network or
+ports, a node it should not run on. The chart's ValidatingAdmissionPolicy renders every row's CEL
+(`make crds` writes `charts/.../files/pod-overrides.yaml`) and allows a row's field only to users who may
+create pods in the namespace themselves (CEL's `authorizer`); a controller never learns who submitted a job,
+so without admission policies the operator can only refuse a row for everyone (`forbidPodOverrides`).
+
+A row is an allowlist: anything its check does not name is outside it, so a new volume type or a new
+projected source is refused until a row admits it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+# Volume types a plain pod may use without reaching anything of the namespace's but its own claims and
+# ConfigMaps: no Secret, no ServiceAccount token, nothing of the host's, no network or CSI driver.
+VOLUME_KEYS = ("name", "emptyDir", "configMap", "downwardAPI", "persistentVolumeClaim", "projected")
+# A projected volume may combine only these (serviceAccountToken would undo automountServiceAccountToken).
+PROJECTED_SOURCES = ("configMap", "downwardAPI")
+# Node labels and taints that mark the control plane: a training pod has no business there.
+CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_RDMA_RESOURCE = "rdma/ib"
+
+
+@dataclass(frozen=True)
+class Allow:
+    """The allowlist's parameters, as the cluster admin sets them (chart values `podPolicy.*`)."""
+
+    annotation_prefixes: tuple[str, ...] = ()
+    gpu_resources: tuple[str, ...] = (DEFAULT_GPU_RESOURCE,)
+    rdma_resources: tuple[str, ...] = (DEFAULT_RDMA_RESOURCE,)
+
+    def variables(self) -> dict[str, str]:
+        """The policy's CEL variables for these parameters (JSON lists are CEL list literals)."""
+        return {
+            "annotationPrefixes": json.dumps(list(self.annotation_prefixes)),
+            "gpuResources": json.dumps(list(self.gpu_resources)),
+            "rdmaResources": json.dumps(list(self.rdma_resources)),
+        }
+
+
+# --- the Python side: predicates over the spec's camelCase dump ------------------------------------
+
+
+def _get(d: Any, *path: str, default: Any = None) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or d.get(key) is None:
+            return default
+        d = d[key]
+    return d
+
+
+def _containers(s: dict) -> list[dict]:
+    return [*(_get(s, "pod", "initContainers") or []), *(_get(s, "pod", "sidecars") or [])]
+
+
+def _env_reads_secret(env: list) -> bool:
+    return any(isinstance(e, dict) and "secretKeyRef" in (e.get("valueFrom") or {}) for e in env)
+
+
+def _volume_ok(v: dict) -> bool:
+    sources = _get(v, "projected", "sources") or []
+    return all(k in VOLUME_KEYS for k in v) and all(all(k in PROJECTED_SOURCES for k in src) for src in sources)
+
+
+def _affinity_keys(s: dict) -> list[str]:
+    node = _get(s, "scheduling", "affinity", "nodeAffinity") or {}
+    terms = _get(node, "requiredDuringSchedulingIgnoredDuringExecution", "nodeSelectorTerms") or []
+    prefs = [p.get("preference") or {} for p in node.get("preferredDuringSchedulingIgnoredDuringExecution") or []]
+    return [e.get("key") for t in [*terms, *prefs] for e in t.get("matchExpressions") or []]
+
+
+def _infiniband_ok(s: dict, allow: Allow) -> bool:
+    if not _get(s, "network", "infiniband", "enabled", default=False):
+        return True
+    return (
+        _get(s, "resources", "gpusPerNode", default=0) > 0
+        and _get(s, "resources", "gpuResourceName", default=DEFAULT_GPU_RESOURCE) in allow.gpu_resources
+        and _get(s, "network", "infiniband", "resourceName", default=DEFAULT_RDMA_RESOURCE) in allow.rdma_resources
+    )
+
+
+# --- the CEL side: the same checks over `object.spec` -------------------------------------------
+
+_POD = "object.spec.pod"
+
+
+def _opt(path: str, then: str) -> str:
+    """`then` where every optional step of `path` (below object.spec) is set; true otherwise."""
+    parts = path.split(".")
+    guards = [f"has({'.'.join(parts[: i + 1])})" for i in range(2, len(parts))]
+    return f"!({' && '.join(guards)}) || {then}" if guards else then
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return json.dumps(list(values))
+
+
+def _cel_or(path: str, default: Any) -> str:
+    parts = path.split(".")
+    guards = " && ".join(f"has({'.'.join(parts[: i + 1])})" for i in range(2, len(parts)))
+    return f"({guards} ? {path} : {json.dumps(default)})"
+
+
+def _each_container(body: str) -> str:
+    return " && ".join(f"({_opt(f'{_POD}.{kind}', f'{_POD}.{kind}.all(c, {body})')})"
+                       for kind in ("initContainers", "sidecars"))  # fmt: skip
+
+
+_NO_SECRET_ENV = "(!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef)))"
+_NO_SECRET_ENV_FROM = "(!has(c.envFrom) || c.envFrom.all(f, !has(f.secretRef)))"
+_CP = _cel_list(CONTROL_PLANE_KEYS)
+_NA = "object.spec.scheduling.affinity.nodeAffinity"
+_REQ = f"{_NA}.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
+_PREF = f"{_NA}.preferredDuringSchedulingIgnoredDuringExecution"
+_NOT_CP = f"!(e.key in {_CP})"
+_CONTROL_PLANE_CEL = " && ".join(f"({_opt(path, then)})" for path, then in (
+    ("object.spec.scheduling.nodeSelector", f"object.spec.scheduling.nodeSelector.all(k, !(k in {_CP}))"),
+    (_REQ, f"{_REQ}.all(t, !has(t.matchExpressions) || t.matchExpressions.all(e, {_NOT_CP}))"),
+    (_PREF, f"{_PREF}.all(w, !has(w.preference) || !has(w.preference.matchExpressions) || "
+            f"w.preference.matchExpressions.all(e, {_NOT_CP}))"),
+))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Override:
+    """One row: the name forbidPodOverrides uses, the field an error names, what it would give, its two checks.
+
+    `within` is true when the spec stays inside the allowlist; `cel` is the same over `object.spec` in the
+    admission policy, with the variables of `Allow.variables`. `risky` are examples ({dotted path under `spec`:
+    value}) that leave the allowlist, `safe` ones that stay in it: tests run each through the API server and
+    through `within`.
+    """
+
+    name: str
+    field: str
+    gives: str
+    cel: str
+    within: Callable[[dict, Allow], bool]
+    risky: tuple[dict[str, Any], ...]
+    safe: tuple[dict[str, Any], ...] = field(default=())
+
+    def message(self) -> str:
+        return f"{self.field}: {self.gives} is allowed only to users who may create pods in this namespace"
+
+
+ROWS: tuple[Override, ...] = (
+    Override(
+        "volumes", "spec.pod.volumes",
+        "a volume other than emptyDir, configMap, downwardAPI, persistentVolumeClaim or a projected configMap/"
+        "downwardAPI (a Secret, a ServiceAccount token, hostPath, a network or CSI volume)",
+        _opt(f"{_POD}.volumes", f"{_POD}.volumes.all(v, v.all(k, k in {_cel_list(VOLUME_KEYS)}) && "
+             f"(!has(v.projected) || !has(v.projected.sources) || "
+             f"v.projected.sources.all(s, s.all(k, k in {_cel_list(PROJECTED_SOURCES)}))))"),
+        lambda s, a: all(_volume_ok(v) for v in _get(s, "pod", "volumes") or []),
+        risky=(
+            {"pod.volumes": [{"name": "host", "hostPath": {"path": "/etc"}}]},
+            {"pod.volumes": [{"name": "creds", "secret": {"secretName": "db"}}]},
+            {"pod.volumes": [{"name": "tok", "projected": {"sources": [
+                {"serviceAccountToken": {"path": "t", "audience": "https://kubernetes.default.svc"}}]}}]},
+            {"pod.volumes": [{"name": "nfs", "nfs": {"server": "10.0.0.1", "path": "/"}}]},
+            {"pod.volumes": [{"name": "c", "csi": {"driver": "secrets-store.csi.k8s.io"}}]},
+        ),
+        safe=(
+            {"pod.volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}},
+                             {"name": "scratch", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "c"}},
+                             {"name": "p", "projected": {"sources": [{"configMap": {"name": "c"}}]}}]},
+        ),
+    ),
+    Override(
+        "annotations", "spec.pod.annotations",
+        "a pod annotation outside the prefixes the cluster admin allows (cloud IAM roles, AppArmor profiles)",
+        _opt(f"{_POD}.annotations",
+             f"{_POD}.annotations.all(k, variables.annotationPrefixes.exists(p, k.startsWith(p)))"),
+        lambda s, a: all(any(k.startswith(p) for p in a.annotation_prefixes)
+                         for k in _get(s, "pod", "annotations") or {}),
+        risky=({"pod.annotations": {"iam.amazonaws.com/role": "admin"}},
+               {"pod.annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}),
+    ),
+    Override(
+        "hostNetwork", "spec.network.hostNetwork", "the host network outside the InfiniBand profile",
+        "!has(object.spec.network) || !has(object.spec.network.hostNetwork) || !object.spec.network.hostNetwork || "
+        "(has(object.spec.network.infiniband) && has(object.spec.network.infiniband.enabled) && "
+        "object.spec.network.infiniband.enabled)",
+        lambda s, a: not _get(s, "network", "hostNetwork", default=False)
+        or _get(s, "network", "infiniband", "enabled", default=False),
+        risky=({"network.hostNetwork": True},),
+    ),
+    Override(
+        "infiniband", "spec.network.infiniband",
+        "the InfiniBand profile (IPC_LOCK, the host network) without GPUs, or with GPU or RDMA resource names "
+        "other than the cluster's",
+        "!has(object.spec.network) || !has(object.spec.network.infiniband) || "
+        "!has(object.spec.network.infiniband.enabled) || !object.spec.network.infiniband.enabled || ("
+        f"{_cel_or('object.spec.resources.gpusPerNode', 0)} > 0 && "
+        f"{_cel_or('object.spec.resources.gpuResourceName', DEFAULT_GPU_RESOURCE)} in variables.gpuResources && "
+        f"{_cel_or('object.spec.network.infiniband.resourceName', DEFAULT_RDMA_RESOURCE)} in variables.rdmaResources)",
+        _infiniband_ok,
+        risky=({"resources": {"gpusPerNode": 1, "gpuResourceName": "cpu"},
+                "network": {"infiniband": {"enabled": True, "resourceName": "cpu"}, "hostNetwork": True}},
+               {"resources": {"gpusPerNode": 8, "gpuResourceName": "example.com/gpu"},
+                "network.infiniband": {"enabled": True}}),
+    ),
+    Override(
+        "hostPort", "spec.pod.initContainers/sidecars[].ports",
+        "a hostPort (a port of the node's own address)",
+        _each_container("!has(c.ports) || c.ports.all(p, !has(p.hostPort))"),
+        lambda s, a: not any("hostPort" in p for c in _containers(s) for p in c.get("ports") or []
+                             if isinstance(p, dict)),
+        risky=({"pod.sidecars": [{"name": "s", "image": "i", "ports": [{"containerPort": 80, "hostPort": 80}]}]},),
+        safe=({"pod.sidecars": [{"name": "s", "image": "i", "ports": [{"containerPort": 80}]}]},),
+    ),
+    Override(
+        "tolerations", "spec.scheduling.tolerations",
+        "a toleration that names no taint key, or a control-plane taint",
+        _opt("object.spec.scheduling.tolerations",
+             f"object.spec.scheduling.tolerations.all(t, has(t.key) && t.key != '' && !(t.key in {_CP}))"),
+        lambda s, a: all(t.get("key") and t["key"] not in CONTROL_PLANE_KEYS
+                         for t in _get(s, "scheduling", "tolerations") or []),
+        risky=({"scheduling.tolerations": [{"operator": "Exists"}]},
+               {"scheduling.tolerations": [{"key": CONTROL_PLANE_KEYS[0], "operator": "Exists"}]}),
+        safe=({"scheduling.tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},),
+    ),
+    Override(
+        "controlPlane", "spec.scheduling.nodeSelector/affinity", "placement on control-plane nodes",
+        _CONTROL_PLANE_CEL,
+        lambda s, a: not any(k in CONTROL_PLANE_KEYS for k in [*(_get(s, "scheduling", "nodeSelector") or {}),
+                                                               *_affinity_keys(s)]),
+        risky=({"scheduling.nodeSelector": {CONTROL_PLANE_KEYS[0]: ""}},
+               {"scheduling.affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                   "nodeSelectorTerms": [{"matchExpressions": [
+                       {"key": CONTROL_PLANE_KEYS[1], "operator": "Exists"}]}]}}}}),
+        safe=({"scheduling.nodeSelector": {"nvidia.com/gpu.product": "H200"}},),
+    ),
+    Override(
+        "serviceAccountName", "spec.pod.serviceAccountName", "another ServiceAccount",
+        f"!has({_POD}) || !has({_POD}.serviceAccountName)",
+        lambda s, a: _get(s, "pod", "serviceAccountName") is None,
+        risky=({"pod.serviceAccountName": "admin"},),
+    ),
+    Override(
+        "secretEnv", "spec.pod.env", "an env value from a Secret",
+        _opt(f"{_POD}.env", f"{_POD}.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))"),
+        lambda s, a: not _env_reads_secret(_get(s, "pod", "env") or []),
+        risky=({"pod.env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},),
+    ),
+    Override(
+        "labels", "spec.pod.labels", "an extra pod label (which can join other Services)",
+        _opt(f"{_POD}.labels", f"size({_POD}.labels) == 0"),
+        lambda s, a: not _get(s, "pod", "labels"),
+        risky=({"pod.labels": {"app": "payments"}},),
+    ),
+    # Without one, an added container gets the trainer's restricted securityContext; its own can ask for more.
+    Override(
+        "containerSecurityContext", "spec.pod.initContainers/sidecars", "a securityContext of an added container",
+        _each_container("!has(c.securityContext)"),
+        lambda s, a: not any("securityContext" in c for c in _containers(s)),
+        risky=({"pod.sidecars": [{"name": "ship", "image": "busybox", "securityContext": {"privileged": True}}]},),
+    ),
+    # An added container's own env is a second way to a Secret: the same check as spec.pod.env.
+    Override(
+        "containerSecretEnv", "spec.pod.initContainers/sidecars[].env",
+        "an env value from a Secret in an added container",
+        _each_container(f"{_NO_SECRET_ENV} && {_NO_SECRET_ENV_FROM}"),
+        lambda s, a: not any(_env_reads_secret(c.get("env") or []) or any(
+            isinstance(f, dict) and "secretRef" in f for f in c.get("envFrom") or []) for c in _containers(s)),
+        risky=({"pod.initContainers": [{"name": "fetch", "image": "busybox",
+                                        "envFrom": [{"secretRef": {"name": "db"}}]}]},
+               {"pod.sidecars": [{"name": "s", "image": "i", "env": [
+                   {"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}]}),
+    ),
+)
+NAMES: tuple[str, ...] = tuple(row.name for row in ROWS)
+
+
+def outside(spec: BaseModel | dict, allow: Allow) -> list[Override]:
+    """The rows whose allowlist the spec leaves."""
+    data = spec if isinstance(spec, dict) else spec.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return [row for row in ROWS if not row.within(data, allow)]
+
+
+def forbidden(spec: BaseModel, forbid: list[str], allow: Allow | None = None) -> str | None:
+    """Why the job may not run under the operator's `forbidPodOverrides`, naming each field; None if it may."""
+    used = [row.field for row in outside(spec, allow or Allow()) if row.name in forbid]
+    if not used:
+        return None
+    return (f"{', '.join(used)}: refused for every job by this operator's forbidPodOverrides setting; "
+            "remove the field, or ask the cluster admin to allow it")  # fmt: skip
+
+
+def validations() -> list[dict[str, str]]:
+    """The admission policy's validations: each row, unless the submitter may create pods."""
+    return [{"expression": f"variables.canCreatePods || ({row.cel})", "message": row.message(), "reason": "Forbidden"}
+            for row in ROWS]  # fmt: skip
+
+
+def render() -> str:
+    """charts/.../files/pod-overrides.yaml, which the chart's admission policy includes."""
+    header = "# Generated by `make crds` from operator/sharded_operator/api/overrides.py. Do not edit.\n"
+    return header + yaml.safe_dump(validations(), sort_keys=False, width=100000)
+
+
+def table() -> str:
+    """The rows as docs/install.md's Markdown table (tests/unit/test_overrides.py holds the docs to it)."""
+    lines = ["| `forbidPodOverrides` name | field | outside the allowlist: what a job-only user is refused |",
+             "| --- | --- | --- |"]  # fmt: skip
+    lines += [f"| `{row.name}` | `{row.field}` | {row.gives} |" for row in ROWS]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""The `sharded` command line (also `kubectl stj`)."""

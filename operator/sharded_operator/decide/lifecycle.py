@@ -1,0 +1,494 @@
+"""Pure decisions: (job, observed pods and nodes, now) -> the next status and the actions to take.
+
+Reconcile is level-based: every call looks at the whole world and says what should happen next, so
+calling it twice, or after an operator restart, changes nothing that is already right.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+from sharded_api.contract import iso, parse_iso
+from sharded_operator.api.models import (
+    FINISHED,
+    Condition,
+    ConditionType,
+    FailureInfo,
+    InPlaceRecovery,
+    Phase,
+    ShardedTrainingJob,
+    ShardedTrainingJobStatus,
+)
+from sharded_operator.decide.failure import (
+    MISSING_GRACE_SECONDS,
+    current_failures,
+    first_failure,
+    hang,
+    in_place_budget,
+    is_disruption,
+    is_permanent,
+    latest,
+    missing_pods,
+    node_lost,
+    recovery_of,
+    recovery_overdue,
+    replaceable,
+    running_condition_since,
+    store_lost,
+    store_trouble,
+    stuck_on_lost_nodes,
+)
+from sharded_operator.decide.views import POD_FINISHED, Observed, PodView
+
+# The conditions set_phase keeps in step with the phase.
+PHASE_CONDITIONS = tuple(c for c in ConditionType if c.value in {p.value for p in Phase})
+
+
+@dataclass
+class Plan:
+    """What reconcile decided: the status to write and the actions to take, in this order."""
+
+    status: ShardedTrainingJobStatus
+    create: list[int] = field(default_factory=list)  # node indices of the current attempt
+    delete: list[str] = field(default_factory=list)  # pod names
+    force_delete: list[str] = field(default_factory=list)  # pod names to delete with grace 0
+    grace_seconds: int | None = None
+    create_store: bool = False  # the rendezvous store pod, with the pods (it serves every attempt)
+    delete_store: bool = False
+    store_grace: int | None = None  # 0 for a store pod on a lost node: no kubelet will confirm it gone
+    delete_job: bool = False
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+
+
+def set_condition(
+    status: ShardedTrainingJobStatus, type_: ConditionType, value: bool, reason: str, message: str, now: str
+) -> None:
+    """Upsert a condition; lastTransitionTime moves only when the status flips."""
+    new = "True" if value else "False"
+    for i, c in enumerate(status.conditions):
+        if c.type == type_:
+            changed = c.status != new
+            status.conditions[i] = Condition(
+                type=type_, status=new, reason=reason, message=message,
+                last_transition_time=now if changed else c.last_transition_time,
+            )  # fmt: skip
+            return
+    status.conditions.append(
+        Condition(type=type_, status=new, reason=reason, message=message, last_transition_time=now)
+    )
+
+
+def set_ready(status: ShardedTrainingJobStatus, running: int, nodes: int) -> None:
+    status.ready_nodes, status.ready = running, f"{running}/{nodes}"
+
+
+def set_phase(status: ShardedTrainingJobStatus, phase: Phase, reason: str, message: str, now: str) -> None:
+    """The phase, and the condition of each phase that has one: True for this phase, False for the rest."""
+    status.phase = phase
+    status.message = message
+    for cond in PHASE_CONDITIONS:
+        on = cond.value == phase.value
+        set_condition(status, cond, on, reason if on else "", message if on else "", now)
+    done = phase == Phase.SUCCEEDED
+    set_condition(status, ConditionType.COMPLETE, done, reason if done else "", message if done else "", now)
+
+
+def record_refusal(plan: Plan, refusal: tuple[str, str] | None, now: str) -> None:
+    """What the API server said to the last creates: a refusal (reason, its own message) sets the
+    CreateRefused condition and, when it is new, an event; creates going through clear it."""
+    _announce(plan, ConditionType.CREATE_REFUSED, refusal, event="FailedCreate", cleared="Created", now=now,
+              again_on_new_message=True)  # fmt: skip
+    if refusal:
+        plan.status.message = f"the API server refused to create the job's pods: {refusal[1]}"
+
+
+def _announce(
+    plan: Plan,
+    type_: ConditionType,
+    verdict: tuple[str, str] | None,
+    *,
+    event: str,
+    cleared: str,
+    now: str,
+    again_on_new_message: bool = False,
+) -> None:
+    """A condition that is True while `verdict` (reason, message) holds, with a Warning event when it turns
+    True (and, if asked, when its message changes); no verdict turns it False with reason `cleared`."""
+    status = plan.status
+    old = next((c for c in status.conditions if c.type == type_), None)
+    active = old is not None and old.status == "True"
+    if verdict is None:
+        if active:
+            set_condition(status, type_, False, cleared, "", now)
+        return
+    reason, message = verdict
+    if not active or (again_on_new_message and old.message != message):
+        plan.events.append(("Warning", event, message))
+    set_condition(status, type_, True, reason, message, now)
+
+
+# --- the decision -------------------------------------------------------------------------------
+
+
+def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict[str, int]) -> Plan:
+    """`grace` has the settings' `restart` and `suspend` grace periods in seconds."""
+    status = job.status.model_copy(deep=True)
+    ts = iso(now)
+    spec = job.spec
+    status.observed_generation = job.metadata.get("generation")
+    plan = Plan(status=status)
+    plan.force_delete = stuck_on_lost_nodes(job, obs, now)
+    for pod in plan.force_delete:
+        plan.events.append(("Warning", "ForceDeleted", f"pod {pod} is on a lost node: deleted without its grace"))
+
+    if status.phase in FINISHED:
+        return _finished(job, plan, obs, now)
+
+    if status.attempt == 0:  # first sight of the job
+        status.attempt = 1
+        status.start_time = status.start_time or ts
+        status.active_since = ts
+        set_phase(status, Phase.PENDING, "Created", "creating pods", ts)
+        set_condition(status, ConditionType.CREATED, True, "Created", "job accepted", ts)
+    current = [p for p in obs.pods if p.attempt == status.attempt]
+    stale = [p for p in obs.pods if p.attempt != status.attempt]
+
+    if spec.run_policy.suspend:
+        plan.delete = [p.name for p in obs.pods if not p.deleting]
+        _drop_store(plan, obs)
+        own = spec.run_policy.termination_grace_seconds
+        plan.grace_seconds = grace["suspend"] if own is None else own
+        if status.phase != Phase.SUSPENDED:
+            plan.events.append(("Normal", "Suspended", "deleting pods; the trainer checkpoints on SIGTERM"))
+        set_phase(status, Phase.SUSPENDED, "Suspended", "suspended: pods deleted, resume by setting suspend false", ts)
+        set_ready(status, 0, spec.nodes)
+        return plan
+    if status.phase == Phase.SUSPENDED:  # resumed: a fresh attempt with a fresh rendezvous
+        status.attempt += 1
+        status.active_since = ts  # as for Jobs, the deadline counts from the resume
+        set_phase(status, Phase.PENDING, "Resumed", "resuming from the newest checkpoint", ts)
+        plan.events.append(("Normal", "Resumed", f"starting attempt {status.attempt}"))
+        current, stale = [], list(obs.pods)
+
+    if obs.foreign:  # a job of this name was deleted and its pods are still going: never adopt or wait on them
+        set_phase(
+            status, status.phase or Phase.PENDING, "WaitingForPreviousJob",
+            f"pods {', '.join(sorted(obs.foreign))} of a deleted job of the same name still exist", ts,
+        )  # fmt: skip
+        return plan
+
+    deadline = spec.run_policy.active_deadline_seconds
+    active = parse_iso(status.active_since or status.start_time)
+    if deadline and active and (now - active).total_seconds() > deadline:
+        return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
+
+    _follow_recovery(plan, obs, now, elastic=spec.elastic is not None)
+    if _elastic_finished(job, current) or _session_ended(job, current):
+        return _succeed(job, plan, current, ts)
+    failures = current_failures(job, status, obs, now)
+    # A lost store needs a new gang whatever else failed: no pod is replaced alone then (the pods' own
+    # failure, a lost node say, is still the one named).
+    lost_store = store_lost(job, status, obs, now)
+    failure = (first_failure(job, failures) or lost_store or hang(job, status, now, obs.hearing_since)
+               or recovery_overdue(job, status, now))  # fmt: skip
+    if failure and not lost_store and replaceable(job, status, failures, failure):
+        _replace_alone(job, plan, obs, failures, failure, now)
+    elif failure:
+        return _restart_or_fail(job, plan, obs, failure, grace["restart"], now)
+    if missing_pods(job, status, obs):  # gone, but why is not known yet: no replacement, no verdict
+        return plan
+    _follow_size(job, plan, now)  # after the missing pods are judged by the size they were made for
+
+    # Old attempts must be gone before the new one starts: pod names are reused.
+    plan.delete += [p.name for p in stale if not p.deleting]
+    # An elastic job resized below its pods: the highest indices go, with their final checkpoint (every rank
+    # takes it with them); the others restart in place and train on at the next round.
+    surplus = [p.name for p in current if p.index >= spec.nodes and not p.deleting]
+    if surplus:
+        plan.delete += surplus
+        plan.events.append(("Normal", "ScalingDown", f"spec.nodes is {spec.nodes}: deleting {', '.join(surplus)}"))
+    current = [p for p in current if p.index < spec.nodes]
+    plan.grace_seconds = grace["restart"]
+    if stale:
+        set_phase(status, status.phase or Phase.PENDING, "WaitingForOldPods", "waiting for the previous pods to go", ts)
+        return plan
+
+    if current and all(p.phase == "Succeeded" for p in current) and len(current) == spec.nodes:
+        return _succeed(job, plan, current, ts)
+
+    present = {p.index for p in current}
+    plan.create = [i for i in range(spec.nodes) if i not in present]
+    plan.create_store = obs.store_listed and obs.store is None
+    if trouble := store_trouble(job, obs, now):
+        # Pods created now would join through a store about to go: they wait for the next one instead.
+        _drop_store(plan, obs, job, now)
+        plan.create = []
+        set_phase(status, status.phase or Phase.PENDING, "WaitingForRendezvousStore", trouble, ts)
+        return plan
+    running = [p for p in current if p.phase == "Running"]
+    set_ready(status, len(running), spec.nodes)
+    if plan.create and not current:
+        plan.events.append(("Normal", "Creating", f"creating {spec.nodes} pods for attempt {status.attempt}"))
+    rec = recovery_of(status)
+    if rec and rec.since:
+        what = rec.last.pod if rec.last else "a pod"
+        message = (
+            f"attempt {status.attempt}: recovering in place from {what}; {len(running)}/{spec.nodes} nodes running, "
+            "the others wait at the next rendezvous round"
+        )
+        set_phase(status, Phase.RUNNING, "RecoveringInPlace", message, ts)
+    elif len(running) == spec.nodes:
+        if status.phase != Phase.RUNNING:
+            plan.events.append(("Normal", "Running", f"all {spec.nodes} nodes running (attempt {status.attempt})"))
+        doing = "training"
+        if spec.interactive:
+            doing = f"interactive, JupyterLab on node 0 port {spec.interactive.port} (its log has the token)"
+        set_phase(status, Phase.RUNNING, "AllNodesRunning", f"attempt {status.attempt}: {doing}", ts)
+    else:
+        stuck = next((p for p in sorted(current, key=lambda p: p.index) if p.stuck and p.phase == "Pending"), None)
+        message = f"{len(running)}/{spec.nodes} nodes running" + (f"; pod {stuck.name}: {stuck.stuck}" if stuck else "")
+        set_phase(status, Phase.STARTING, "PodsStarting", message, ts)
+    record_stuck(plan, job, current, now)
+    return plan
+
+
+def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], now: dt.datetime) -> None:
+    """PodsStuck: a pod unschedulable or unable to start for schedulingTimeoutSeconds, announced once."""
+    timeout = job.spec.failure_policy.scheduling_timeout_seconds
+    if timeout is None:
+        return
+    stuck = [
+        p for p in sorted(current, key=lambda p: p.index)
+        if p.stuck and p.phase == "Pending" and (since := parse_iso(p.stuck_since))
+        and (now - since).total_seconds() >= timeout
+    ]  # fmt: skip
+    verdict = None
+    if stuck:
+        reason = stuck[0].stuck.split(":", 1)[0]
+        verdict = (reason, f"pod {stuck[0].name} stuck for more than {timeout}s: {stuck[0].stuck}")
+    _announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
+
+
+def _follow_size(job: ShardedTrainingJob, plan: Plan, now: dt.datetime) -> None:
+    """desiredNodes and currentNodes (the round rank 0 of this attempt trains in), and an event on a resize."""
+    status, spec = plan.status, job.spec
+    if status.desired_nodes not in (None, spec.nodes):
+        plan.events.append(("Normal", "Resizing", f"nodes {status.desired_nodes} -> {spec.nodes}"))
+    status.desired_nodes = spec.nodes
+    progress = status.progress
+    status.current_nodes = progress.nodes if progress and progress.attempt == status.attempt else None
+
+
+def _elastic_finished(job: ShardedTrainingJob, current: list[PodView]) -> bool:
+    """With elastic, training is over once minNodes pods of the attempt succeeded: a pod exits 0 only when
+    every rank of its round finished the last step."""
+    elastic = job.spec.elastic
+    return elastic is not None and sum(p.phase == "Succeeded" for p in current) >= elastic.min_nodes
+
+
+def _session_ended(job: ShardedTrainingJob, current: list[PodView]) -> bool:
+    """An interactive job is over when JupyterLab on node 0 exited 0; the idle nodes never end by themselves."""
+    return job.spec.interactive is not None and any(p.index == 0 and p.phase == "Succeeded" for p in current)
+
+
+def _succeed(job: ShardedTrainingJob, plan: Plan, current: list[PodView], ts: str) -> Plan:
+    """Pods that never joined the last round (a replacement still pending, a straggler) are deleted, not judged."""
+    status, nodes = plan.status, job.spec.nodes
+    done = [p for p in current if p.phase == "Succeeded"]
+    plan.delete += [p.name for p in current if p.phase != "Succeeded" and not p.deleting]
+    status.completion_time = ts
+    set_ready(status, 0, nodes)
+    set_phase(status, Phase.SUCCEEDED, "Completed", f"all {len(done)} nodes finished", ts)
+    what = "the interactive session ended" if job.spec.interactive else "training finished"
+    plan.events.append(("Normal", "Succeeded", f"{what} after {status.restarts} restarts"))
+    return plan
+
+
+def _follow_recovery(plan: Plan, obs: Observed, now: dt.datetime, *, elastic: bool = False) -> None:
+    """Keep the in-place recovery in step with what is observed: replacements seen are no longer pending,
+    retired pods gone are forgotten, and a report from a new trainer process once nothing is pending means
+    training resumed (with elastic, while replacements are pending too: the survivors train on)."""
+    status = plan.status
+    rec = recovery_of(status)
+    if rec is None:
+        status.recovery = None
+        return
+    listed = {p.uid for p in obs.pods}
+    rec.retired = [u for u in rec.retired if u in listed]
+    # The decision to replace a pod is written before its delete: a replica that died in between left a
+    # retired pod that nothing else would remove, and its replacement (same name) waiting for it forever.
+    plan.delete += [p.name for p in obs.pods if p.uid in rec.retired and not p.deleting and p.name not in plan.delete]
+    replaced = {p.index for p in obs.pods if p.attempt == status.attempt and p.uid not in rec.retired}
+    rec.pending = [i for i in rec.pending if i not in replaced]
+    progress = status.progress
+    since = parse_iso(rec.since)
+    observed = parse_iso(progress.observed_at) if progress else None
+    if (
+        since and (elastic or not rec.pending) and progress and progress.attempt == status.attempt
+        and progress.run not in (None, rec.run) and observed and observed >= since
+    ):  # fmt: skip
+        what = rec.last.pod if rec.last else "a pod"
+        plan.events.append(
+            ("Normal", "RecoveredInPlace", f"training resumed {(observed - since).total_seconds():.0f}s after {what} "
+             f"was replaced alone (step {progress.step})")
+        )  # fmt: skip
+        rec.since = None
+
+
+def _replace_alone(
+    job: ShardedTrainingJob,
+    plan: Plan,
+    obs: Observed,
+    failures: list[FailureInfo],
+    failure: FailureInfo,
+    now: dt.datetime,
+) -> None:
+    """Replace the failed pods alone: delete each (its name is reused) and create it again once it is gone;
+    the surviving agents restart their workers and wait for it at the next rendezvous round."""
+    status = plan.status
+    rec = recovery_of(status) or InPlaceRecovery(attempt=status.attempt)
+    pods = {p.name: p for p in obs.pods if p.attempt == status.attempt}
+    for f in sorted(failures, key=lambda f: f.node_rank or 0):
+        pod = pods.get(f.pod or "")
+        if pod is not None and pod.uid:
+            rec.retired.append(pod.uid)
+        if pod is not None and not pod.deleting:
+            plan.delete.append(pod.name)
+        if f.node_rank not in rec.pending:
+            rec.pending.append(f.node_rank)  # type: ignore[arg-type] # replaceable() checked it is set
+        rec.replacements += 1
+        status.pod_replacements += 1
+    progress = status.progress
+    if rec.since is None:
+        rec.run = progress.run if progress and progress.attempt == status.attempt else None
+    rec.since = iso(now)
+    rec.last = failure
+    status.recovery = rec
+    names = ", ".join(f.pod or "" for f in failures)
+    exited = f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
+    detail = f"{failure.reason}: {names}{exited}"
+    plan.events.append(
+        ("Warning", "ReplacingPod", f"{detail}; replacing it alone ({rec.replacements}/{in_place_budget(job)} in "
+         f"attempt {status.attempt}); the other nodes wait for it at the next rendezvous round")
+    )  # fmt: skip
+
+
+def _drop_store(
+    plan: Plan, obs: Observed, job: ShardedTrainingJob | None = None, now: dt.datetime | None = None
+) -> None:
+    """The store pod goes: nothing will rendezvous again (suspended, finished), or it cannot serve the next
+    attempt. On a lost node it is deleted without grace (its name is needed for the next one)."""
+    store = obs.store
+    if store is None:
+        return
+    lost = job is not None and now is not None and node_lost(job, obs, store.node, now)
+    plan.delete_store = not store.deleting or bool(lost)
+    plan.store_grace = 0 if lost else None
+
+
+def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace: int, now: dt.datetime) -> Plan:
+    """A permanent failure ends the job; a disruption restarts it without using backoffLimit (unless
+    failurePolicy.countDisruptions); any other failure restarts it while the limit lasts."""
+    status, fp = plan.status, job.spec.failure_policy
+    status.last_failure = failure
+    where = f"pod {failure.pod} (node rank {failure.node_rank}, node {failure.node})" if failure.pod else "the gang"
+    detail = f"{failure.reason}: {where}" + (
+        f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
+    )
+    if is_permanent(job, failure):
+        return _fail(job, plan, obs, "PermanentFailure", f"{detail}; exit code is permanent", now)
+    counted = fp.count_disruptions or not is_disruption(failure)
+    if counted and status.restarts >= fp.backoff_limit:
+        return _fail(job, plan, obs, "BackoffLimitExceeded", f"{detail}; {fp.backoff_limit} restarts used", now)
+    if counted:
+        status.restarts += 1
+        budget = f"restart {status.restarts}/{fp.backoff_limit}"
+    else:
+        status.disruptions += 1
+        budget = f"disruption {status.disruptions}, not counted against backoffLimit"
+    status.attempt += 1
+    status.recovery = None
+    plan.delete = [p.name for p in obs.pods if not p.deleting]
+    if failure.reason == "RendezvousLost" or store_trouble(job, obs, now):  # made again with the next pods
+        _drop_store(plan, obs, job, now)
+    plan.grace_seconds = grace
+    set_ready(status, 0, job.spec.nodes)
+    set_phase(
+        status, Phase.RESTARTING, failure.reason, f"{detail}; restarting the gang as attempt {status.attempt}", iso(now)
+    )
+    plan.events.append(("Warning", "Restarting", f"{detail}; {budget}"))
+    return plan
+
+
+def _fail(job, plan: Plan, obs: Observed, reason: str, message: str, now: dt.datetime) -> Plan:
+    status = plan.status
+    status.completion_time = iso(now)
+    set_ready(status, 0, job.spec.nodes)
+    set_phase(status, Phase.FAILED, reason, message, iso(now))
+    plan.events.append(("Warning", reason, message))
+    return _finished(job, plan, obs, now)
+
+
+def _finished(job: ShardedTrainingJob, plan: Plan, obs: Observed, now: dt.datetime) -> Plan:
+    """cleanPodPolicy once the job has ended (the store pod goes in any case), then the TTL."""
+    _drop_store(plan, obs)
+    policy = job.spec.run_policy.clean_pod_policy
+    if policy == "All":
+        plan.delete = [p.name for p in obs.pods if not p.deleting]
+    elif policy == "Running":
+        plan.delete = [p.name for p in obs.pods if not p.deleting and p.phase not in POD_FINISHED]
+    ttl = job.spec.run_policy.ttl_seconds_after_finished
+    done = parse_iso(plan.status.completion_time)
+    if ttl is not None and done and (now - done).total_seconds() >= ttl:
+        plan.delete_job = True
+    return plan
+
+
+# --- when to look again ---------------------------------------------------------------------------
+
+# A timer fires this much after a threshold: the rules compare with > as well as >=.
+DUE_MARGIN = dt.timedelta(milliseconds=50)
+
+
+def next_due(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed, now: dt.datetime
+             ) -> dt.datetime | None:  # fmt: skip
+    """The earliest time after `now` at which a rule of `decide` that depends on the clock could decide
+    otherwise for this job as observed (`status` is the one just decided): a deadline, a hang or startup
+    timeout, an in-place recovery's limit, a missing pod's grace, a node not Ready for nodeLostSeconds, a
+    pod stuck past its grace on such a node, a pod unschedulable for schedulingTimeoutSeconds, the TTL.
+    None: only an event (a job, pod or node change) can change the decision. Thresholds already passed
+    were acted on by the decision that computed `status`."""
+    spec, fp = job.spec, job.spec.failure_policy
+    times: list[dt.datetime | None] = []
+
+    def after(start: str | None, seconds: float | None) -> None:
+        if seconds is not None and (t := parse_iso(start)) is not None:
+            times.append(t + dt.timedelta(seconds=seconds))
+
+    if status.phase in FINISHED:
+        after(status.completion_time, spec.run_policy.ttl_seconds_after_finished)
+    elif not spec.run_policy.suspend:
+        after(status.active_since or status.start_time, spec.run_policy.active_deadline_seconds)
+        if status.phase == Phase.RUNNING:
+            progress = status.progress
+            if progress and progress.attempt == status.attempt and progress.observed_at:
+                after(iso(latest(progress.observed_at, obs.hearing_since)), fp.hang_timeout_seconds)
+            elif running := running_condition_since(status):
+                after(iso(latest(running, obs.hearing_since)), fp.startup_timeout_seconds)
+        if (rec := recovery_of(status)) and rec.since:
+            after(rec.since, fp.in_place_timeout_seconds)
+        for since in obs.missing_since.values():
+            after(since, MISSING_GRACE_SECONDS)
+        for pod in obs.pods:
+            if pod.stuck and pod.phase == "Pending" and pod.attempt == status.attempt:
+                after(pod.stuck_since, fp.scheduling_timeout_seconds)
+    # Lost nodes matter in every phase: a finished job's pods stuck on one are forced out too.
+    pods = [*obs.pods, *([obs.store] if obs.store else [])]
+    for name in {p.node for p in pods if p.node}:
+        view = (obs.nodes or {}).get(name)
+        if view is not None and not view.ready:
+            after(view.since, fp.node_lost_seconds)
+            times += [parse_iso(p.grace_ends) for p in pods if p.node == name and p.deleting]
+    future = [t for t in times if t is not None and t > now]
+    return min(future) + DUE_MARGIN if future else None

@@ -1,0 +1,1 @@
+"""Checkpoints on the shared volume: commit markers, durability, writer fencing, and exports."""

@@ -1,0 +1,1 @@
+"""Token sources: the synthetic task and tokenized, packed text and chat records."""

@@ -1,0 +1,1 @@
+"""What rank 0 tells: progress reports to the operator, METRICS lines, TensorBoard event files."""

@@ -59,7 +59,7 @@ from kubernetes import client, config  # noqa: E402
 import localcluster  # noqa: E402
 from localstack import OperatorProcess, install_crd  # noqa: E402
 from sharded_operator.api.models import GROUP, LABEL_JOB, PLURAL, VERSION, ShardedTrainingJob  # noqa: E402
-from sharded_operator.render import builders  # noqa: E402
+from sharded_operator.render import podspec, rendezvous  # noqa: E402
 from sharded_operator.settings import OperatorSettings  # noqa: E402
 
 PODS_PER_JOB = 9  # 8 training pods and the rendezvous store pod
@@ -83,10 +83,10 @@ def raw_pods(name: str, namespace: str, service: bool = False) -> list[dict]:
     body["status"] = {"attempt": 1}
     job = ShardedTrainingJob.model_validate(body)
     settings = OperatorSettings()
-    pods = [builders.build_pod(job, i, 1, settings) for i in range(8)] + [builders.build_store_pod(job, settings)]
+    pods = [podspec.build_pod(job, i, 1, settings) for i in range(8)] + [podspec.build_store_pod(job, settings)]
     for pod in pods:
         pod["metadata"]["namespace"] = namespace
-    return [builders.build_service(job), *pods] if service else pods
+    return [rendezvous.build_service(job), *pods] if service else pods
 
 
 class PodWatch:

@@ -8,7 +8,8 @@ import yaml
 from jobs import make_job
 from sharded_api.config import TrainerConfig
 from sharded_api.contract import PodEnv
-from sharded_operator.render import builders
+from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_ROLE
+from sharded_operator.render import children, podgroup, podspec, rendezvous
 from sharded_operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
@@ -20,7 +21,7 @@ def env_of(pod: dict) -> dict[str, str]:
 
 def test_rendezvous_contract_for_a_gpu_job():
     job = make_job("llm", "team").nodes(4).gpus(8).model()
-    pod = builders.build_pod(job, 2, attempt=3, settings=SETTINGS)
+    pod = podspec.build_pod(job, 2, attempt=3, settings=SETTINGS)
     env = env_of(pod)
     assert env["PET_NNODES"] == "4"
     assert env["PET_NPROC_PER_NODE"] == "8"  # auto = GPUs per node
@@ -40,8 +41,8 @@ def test_rendezvous_contract_for_a_gpu_job():
     res = pod["spec"]["containers"][0]["resources"]
     assert res["limits"]["nvidia.com/gpu"] == "8" == res["requests"]["nvidia.com/gpu"]
     labels = pod["metadata"]["labels"]
-    assert labels[builders.LABEL_JOB] == "llm" and labels[builders.LABEL_INDEX] == "2"
-    assert labels[builders.LABEL_ATTEMPT] == "3"
+    assert labels[LABEL_JOB] == "llm" and labels[LABEL_INDEX] == "2"
+    assert labels[LABEL_ATTEMPT] == "3"
     assert env["SHARDED_PROGRESS_URL"] == "http://op:8080/progress"
 
 
@@ -51,13 +52,13 @@ def test_the_rendezvous_store_pod_is_small_restricted_and_runs_where_the_job_may
         .spec("scheduling.nodeSelector", {"pool": "h200"}).spec("scheduling.queueName", "team-a")
         .spec("pod.labels", {"app": "llm"}).model()
     )  # fmt: skip
-    pod = builders.build_store_pod(job, SETTINGS)
+    pod = podspec.build_store_pod(job, SETTINGS)
     spec, [container] = pod["spec"], pod["spec"]["containers"]
     assert pod["metadata"]["name"] == spec["hostname"] == "llm-rdzv" and spec["subdomain"] == "llm"
     labels = pod["metadata"]["labels"]
-    assert labels[builders.LABEL_JOB] == "llm" and labels[builders.LABEL_ROLE] == "rendezvous"
+    assert labels[LABEL_JOB] == "llm" and labels[LABEL_ROLE] == "rendezvous"
     # no node index (it is not a training pod), no attempt (it serves them all), no Kueue queue or gang
-    assert builders.LABEL_INDEX not in labels and builders.LABEL_ATTEMPT not in labels and labels["app"] == "llm"
+    assert LABEL_INDEX not in labels and LABEL_ATTEMPT not in labels and labels["app"] == "llm"
     assert not any(k.startswith("kueue.x-k8s.io") for k in labels) and "schedulerName" not in spec
     assert container["command"] == ["python", "-m", "sharded_trainer.store", "--port", "29400"]
     assert container["resources"]["requests"] == container["resources"]["limits"] == {"cpu": "250m", "memory": "1Gi"}
@@ -65,17 +66,17 @@ def test_the_rendezvous_store_pod_is_small_restricted_and_runs_where_the_job_may
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert spec["automountServiceAccountToken"] is False and spec["restartPolicy"] == "Never"
     assert spec["tolerations"] == [{"key": "gpu", "operator": "Exists"}] and spec["nodeSelector"] == {"pool": "h200"}
-    assert builders.build_service(job)["spec"]["selector"].items() <= labels.items()  # its DNS name resolves
+    assert rendezvous.build_service(job)["spec"]["selector"].items() <= labels.items()  # its DNS name resolves
 
 
 def test_cpu_job_falls_back_to_gloo_and_hides_gpus():
     job = make_job().model()
-    env = env_of(builders.build_pod(job, 0, 1, SETTINGS))
+    env = env_of(podspec.build_pod(job, 0, 1, SETTINGS))
     assert env["PET_NPROC_PER_NODE"] == str(SETTINGS.cpu_procs_per_node)
     assert env["CUDA_VISIBLE_DEVICES"] == ""
-    assert builders.backend(job) == "gloo"
-    assert builders.trainer_config(job).backend == "gloo"
-    assert builders.backend(make_job().gpus(1).model()) == "nccl"
+    assert children.backend(job) == "gloo"
+    assert children.trainer_config(job).backend == "gloo"
+    assert children.backend(make_job().gpus(1).model()) == "nccl"
 
 
 @pytest.mark.parametrize(
@@ -88,7 +89,7 @@ def test_dev_shm_is_a_memory_backed_empty_dir(memory, shm, expected):
         b.spec("resources.memory", memory)
     if shm:
         b.spec("shmSize", shm)
-    pod = builders.build_pod(b.model(), 0, 1, SETTINGS)
+    pod = podspec.build_pod(b.model(), 0, 1, SETTINGS)
     dshm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": expected}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["spec"]["containers"][0]["volumeMounts"]
@@ -101,7 +102,7 @@ def test_infiniband_profile():
         .spec("network.socketInterface", "eth0")
         .model()
     )  # fmt: skip
-    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    pod = podspec.build_pod(job, 0, 1, SETTINGS)
     c = pod["spec"]["containers"][0]
     assert c["resources"]["limits"]["rdma/ib"] == "4"
     assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
@@ -112,26 +113,26 @@ def test_infiniband_profile():
 
 def test_host_network_binds_the_jobs_own_port_and_declares_it():
     a = make_job("a").gpus(8).spec("network.hostNetwork", True).status(hostPort=29517).model()
-    pod = builders.build_pod(a, 0, 1, SETTINGS)
+    pod = podspec.build_pod(a, 0, 1, SETTINGS)
     assert pod["spec"]["hostNetwork"] is True and pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["spec"]["containers"][0]["ports"] == [{"name": "rendezvous", "containerPort": 29517, "hostPort": 29517}]
     assert env_of(pod)["MASTER_PORT"] == "29517" and env_of(pod)["PET_RDZV_ENDPOINT"].endswith(":29517")
-    assert builders.build_service(a)["spec"]["ports"][0]["port"] == 29517
-    plain = builders.build_pod(make_job("b").model(), 0, 1, SETTINGS)
+    assert rendezvous.build_service(a)["spec"]["ports"][0]["port"] == 29517
+    plain = podspec.build_pod(make_job("b").model(), 0, 1, SETTINGS)
     assert "hostPort" not in plain["spec"]["containers"][0]["ports"][0]
 
 
 def test_each_host_network_job_gets_a_port_no_other_active_one_holds():
     ports = (29500, 29503)
-    first = builders.choose_host_port("uid-a", ports, set())
+    first = rendezvous.choose_host_port("uid-a", ports, set())
     assert 29500 <= first <= 29503
     taken = {first}
     for uid in ("uid-b", "uid-c", "uid-d"):
-        port = builders.choose_host_port(uid, ports, taken)
+        port = rendezvous.choose_host_port(uid, ports, taken)
         assert port not in taken and 29500 <= port <= 29503
         taken.add(port)
     assert taken == {29500, 29501, 29502, 29503}
-    assert builders.choose_host_port("uid-e", ports, taken) in taken  # all held: the declared port keeps them apart
+    assert rendezvous.choose_host_port("uid-e", ports, taken) in taken  # all held: the declared port keeps them apart
 
 
 @pytest.mark.parametrize("bad", ["40000-40100", "100-200", "30000-29000"])
@@ -142,7 +143,7 @@ def test_the_host_port_range_stays_below_the_ephemeral_ports(bad):
 
 def test_elastic_job_passes_a_node_range_and_restarts_to_torchrun():
     job = make_job().nodes(3).spec("elastic", {"minNodes": 2, "maxNodes": 4, "maxRestarts": 5}).model()
-    env = env_of(builders.build_pod(job, 0, 1, SETTINGS))
+    env = env_of(podspec.build_pod(job, 0, 1, SETTINGS))
     assert env["PET_NNODES"] == "2:4" and env["PET_MAX_RESTARTS"] == "5"
 
 
@@ -150,10 +151,10 @@ def test_an_elastic_job_keeps_the_batch_of_its_full_size_unless_told_otherwise()
     """elastic.keepGlobalBatch (default): the trainer is told to keep maxNodes' batch; an explicit
     trainer.globalBatchSize, or keepGlobalBatch false, leaves it alone; a fixed-size job keeps nothing."""
     elastic = {"minNodes": 2, "maxNodes": 4}
-    assert builders.trainer_config(make_job().nodes(3).spec("elastic", elastic).model()).batch_nodes == 4
+    assert children.trainer_config(make_job().nodes(3).spec("elastic", elastic).model()).batch_nodes == 4
     off = make_job().nodes(3).spec("elastic", {**elastic, "keepGlobalBatch": False}).model()
-    assert builders.trainer_config(off).batch_nodes is None
-    assert builders.trainer_config(make_job().nodes(3).model()).batch_nodes is None
+    assert children.trainer_config(off).batch_nodes is None
+    assert children.trainer_config(make_job().nodes(3).model()).batch_nodes is None
 
 
 @pytest.mark.parametrize("value", ["yes", 2, None, [True]])
@@ -166,10 +167,10 @@ def test_keep_global_batch_takes_only_a_boolean(value):
 
 def test_in_place_restarts_reach_torchrun_and_elastic_keeps_its_own():
     job = make_job().nodes(2).spec("failurePolicy", {"inPlaceRestarts": 3}).model()
-    assert env_of(builders.build_pod(job, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "3"
+    assert env_of(podspec.build_pod(job, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "3"
     both = make_job().nodes(3).spec("failurePolicy", {"inPlaceRestarts": 3})
     both = both.spec("elastic", {"minNodes": 2, "maxNodes": 4, "maxRestarts": 5}).model()
-    assert env_of(builders.build_pod(both, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "5"
+    assert env_of(podspec.build_pod(both, 0, 1, SETTINGS))["PET_MAX_RESTARTS"] == "5"
 
 
 def test_scheduling_knobs_kueue_and_volcano_gang():
@@ -181,7 +182,7 @@ def test_scheduling_knobs_kueue_and_volcano_gang():
         })
         .model()
     )  # fmt: skip
-    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    pod = podspec.build_pod(job, 0, 1, SETTINGS)
     assert pod["spec"]["nodeSelector"] == {"pool": "h200"}
     assert pod["spec"]["priorityClassName"] == "high"
     assert pod["spec"]["schedulerName"] == "volcano"
@@ -190,32 +191,32 @@ def test_scheduling_knobs_kueue_and_volcano_gang():
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"].startswith(f"{job.metadata['name']}-")
     assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == str(job.spec.nodes)
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "j"
-    group = builders.build_pod_group(job)
+    group = podgroup.build_pod_group(job)
     assert group["apiVersion"] == "scheduling.volcano.sh/v1beta1" and group["spec"]["minMember"] == 4
 
 
 def test_scheduler_plugins_gang():
     job = make_job().nodes(3).spec("scheduling", {"gang": {"enabled": True}}).model()
-    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    pod = podspec.build_pod(job, 0, 1, SETTINGS)
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "j"
-    assert builders.build_pod_group(job)["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
-    assert builders.build_pod_group(make_job().model()) is None
+    assert podgroup.build_pod_group(job)["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert podgroup.build_pod_group(make_job().model()) is None
 
 
 def test_checkpoint_claim_is_mounted_and_configured():
     job = make_job("run").spec("checkpoint", {"volumeClaim": {"size": "5Gi"}, "interval": 7, "keepLast": 2}).model()
-    pod = builders.build_pod(job, 1, 1, SETTINGS)
+    pod = podspec.build_pod(job, 1, 1, SETTINGS)
     vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "checkpoints")
     assert vol["persistentVolumeClaim"]["claimName"] == "run-checkpoints"
     mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "checkpoints")
     assert mount == {"name": "checkpoints", "mountPath": "/checkpoints", "subPath": "run"}
-    pvc = builders.build_pvc(job)
+    pvc = children.build_pvc(job)
     assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    cfg = TrainerConfig.model_validate(yaml.safe_load(builders.build_config_map(job, SETTINGS)["data"]["trainer.yaml"]))
+    cfg = TrainerConfig.model_validate(yaml.safe_load(children.build_config_map(job, SETTINGS)["data"]["trainer.yaml"]))
     assert cfg.checkpoint.dir == "/checkpoints" and cfg.checkpoint.interval == 7 and cfg.checkpoint.keep_last == 2
     existing = make_job().spec("checkpoint", {"existingClaim": "mine"}).model()
-    assert builders.build_pvc(existing) is None
+    assert children.build_pvc(existing) is None
 
 
 def test_user_env_volumes_and_custom_command():
@@ -227,7 +228,7 @@ def test_user_env_volumes_and_custom_command():
         .spec("command", ["train.py", "--lr", "1e-4"])
         .model()
     )  # fmt: skip
-    pod = builders.build_pod(job, 0, 1, SETTINGS)
+    pod = podspec.build_pod(job, 0, 1, SETTINGS)
     c = pod["spec"]["containers"][0]
     assert env_of(pod)["HF_HOME"] == "/cache"
     assert c["command"][-4:] == ["--", "train.py", "--lr", "1e-4"]
@@ -238,8 +239,8 @@ def test_user_env_volumes_and_custom_command():
 def test_an_interactive_job_runs_the_session_with_the_training_pods_environment_and_volumes():
     claim = {"volumeClaim": {"size": "1Gi"}, "mountPath": "/ckpt"}
     job = make_job().spec("interactive", {"port": 9999}).spec("checkpoint", claim).model()
-    training = builders.build_pod(make_job().spec("checkpoint", claim).model(), 1, 1, SETTINGS)
-    pod = builders.build_pod(job, 1, 1, SETTINGS)
+    training = podspec.build_pod(make_job().spec("checkpoint", claim).model(), 1, 1, SETTINGS)
+    pod = podspec.build_pod(job, 1, 1, SETTINGS)
     c = pod["spec"]["containers"][0]
     assert c["command"] == ["python", "-m", "sharded_trainer.interactive", "--config", SETTINGS.trainer_config_path,
                             "--port", "9999", "--root-dir", "/ckpt"]  # fmt: skip
@@ -248,37 +249,37 @@ def test_an_interactive_job_runs_the_session_with_the_training_pods_environment_
         training["spec"]["containers"][0]["volumeMounts"]
     assert env_of(pod)[PodEnv.NODE_RANK] == "1"
     without_claim = make_job().spec("interactive", {}).model()
-    assert "--root-dir" not in builders.build_pod(without_claim, 0, 1, SETTINGS)["spec"]["containers"][0]["command"]
+    assert "--root-dir" not in podspec.build_pod(without_claim, 0, 1, SETTINGS)["spec"]["containers"][0]["command"]
 
 
 def test_headless_service_publishes_not_ready_addresses():
-    svc = builders.build_service(make_job("x").model())
+    svc = rendezvous.build_service(make_job("x").model())
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
-    assert svc["spec"]["selector"] == {builders.LABEL_JOB: "x"}
+    assert svc["spec"]["selector"] == {LABEL_JOB: "x"}
 
 
 def test_the_final_checkpoint_gets_the_jobs_own_grace_period():
-    default = builders.build_pod(make_job("llm").model(), 0, 1, SETTINGS)
+    default = podspec.build_pod(make_job("llm").model(), 0, 1, SETTINGS)
     assert default["spec"]["terminationGracePeriodSeconds"] == SETTINGS.suspend_grace_seconds
     own = make_job("llm").spec("runPolicy.terminationGraceSeconds", 900).model()
-    assert builders.build_pod(own, 0, 1, SETTINGS)["spec"]["terminationGracePeriodSeconds"] == 900
+    assert podspec.build_pod(own, 0, 1, SETTINGS)["spec"]["terminationGracePeriodSeconds"] == 900
 
 
 def test_a_spec_edit_reaches_the_next_attempts_pods_only():
     """Each attempt's pods mount the config they were created with: the name carries the config's hash."""
     job = make_job("llm").model()
     edited = make_job("llm").spec("trainer.steps", 999).model()
-    before, after = builders.config_map_name(job), builders.config_map_name(edited)
+    before, after = children.config_map_name(job), children.config_map_name(edited)
     assert before.startswith("llm-config-") and before != after
-    assert builders.config_map_name(make_job("llm").spec("runPolicy.suspend", True).model()) == before
-    pod = builders.build_pod(edited, 0, 2, SETTINGS)
+    assert children.config_map_name(make_job("llm").spec("runPolicy.suspend", True).model()) == before
+    pod = podspec.build_pod(edited, 0, 2, SETTINGS)
     assert {"name": "trainer-config", "configMap": {"name": after}} in pod["spec"]["volumes"]
-    assert builders.build_config_map(edited, SETTINGS)["metadata"]["name"] == after
+    assert children.build_config_map(edited, SETTINGS)["metadata"]["name"] == after
 
 
 def test_pods_pass_pod_security_restricted_by_default():
-    pod = builders.build_pod(make_job().model(), 0, 1, SETTINGS)
+    pod = podspec.build_pod(make_job().model(), 0, 1, SETTINGS)
     spec, c = pod["spec"], pod["spec"]["containers"][0]
     assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 1000
     assert spec["securityContext"]["fsGroup"] == 1000  # the checkpoint claim is writable through the group
@@ -289,7 +290,7 @@ def test_pods_pass_pod_security_restricted_by_default():
 
 
 def test_pods_prove_themselves_to_the_operator_with_a_projected_token_for_its_audience_only():
-    pod = builders.build_pod(make_job().model(), 0, 1, SETTINGS)
+    pod = podspec.build_pod(make_job().model(), 0, 1, SETTINGS)
     [volume] = [v for v in pod["spec"]["volumes"] if "projected" in v]
     [source] = volume["projected"]["sources"]
     assert source["serviceAccountToken"]["audience"] == SETTINGS.progress_audience
@@ -298,15 +299,15 @@ def test_pods_prove_themselves_to_the_operator_with_a_projected_token_for_its_au
     token_file = f"{mount['mountPath']}/{source['serviceAccountToken']['path']}"
     assert env_of(pod)[PodEnv.PROGRESS_TOKEN_FILE.value] == token_file
     # Without a progress URL there is nothing to prove: no token at all.
-    bare = builders.build_pod(make_job().model(), 0, 1, OperatorSettings())
+    bare = podspec.build_pod(make_job().model(), 0, 1, OperatorSettings())
     assert not [v for v in bare["spec"]["volumes"] if "projected" in v]
 
 
 def test_requests_and_limits_may_differ_and_a_limit_below_its_request_is_refused():
     job = make_job().spec("resources", {"cpu": 8, "cpuLimit": 16, "memory": "32Gi", "memoryLimit": "48Gi"}).model()
-    res = builders.build_pod(job, 0, 1, SETTINGS)["spec"]["containers"][0]["resources"]
+    res = podspec.build_pod(job, 0, 1, SETTINGS)["spec"]["containers"][0]["resources"]
     assert res["requests"] == {"cpu": "8", "memory": "32Gi"} and res["limits"] == {"cpu": "16", "memory": "48Gi"}
-    same = builders.build_pod(make_job().spec("resources", {"cpu": 8}).model(), 0, 1, SETTINGS)
+    same = podspec.build_pod(make_job().spec("resources", {"cpu": 8}).model(), 0, 1, SETTINGS)
     assert same["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "8"}, "limits": {"cpu": "8"}}
     with pytest.raises(ValueError, match="memoryLimit must be at least memory"):
         make_job().spec("resources", {"memory": "2e12", "memoryLimit": "999Gi"}).model()  # any form, in Python
@@ -321,7 +322,7 @@ def test_pull_secrets_runtime_class_init_containers_and_native_sidecars():
         .spec("pod.sidecars", [{"name": "ship", "image": "fluent-bit", "securityContext": {"runAsUser": 0}}])
         .model()
     )
-    spec = builders.build_pod(job, 0, 1, SETTINGS)["spec"]
+    spec = podspec.build_pod(job, 0, 1, SETTINGS)["spec"]
     assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["runtimeClassName"] == "nvidia"
     fetch, ship = spec["initContainers"]
     # Passed on as written, with the trainer's restricted securityContext unless it brings its own.
@@ -329,7 +330,7 @@ def test_pull_secrets_runtime_class_init_containers_and_native_sidecars():
     assert fetch["securityContext"] == spec["containers"][0]["securityContext"]
     assert ship["restartPolicy"] == "Always" and ship["securityContext"] == {"runAsUser": 0}
     assert [c["name"] for c in spec["containers"]] == ["trainer"]
-    plain = builders.build_pod(make_job().model(), 0, 1, SETTINGS)["spec"]
+    plain = podspec.build_pod(make_job().model(), 0, 1, SETTINGS)["spec"]
     assert not {"initContainers", "imagePullSecrets", "runtimeClassName"} & set(plain)
 
 
@@ -338,7 +339,7 @@ def test_an_export_pod_is_a_training_pod_without_devices_or_rendezvous():
 
     job = make_job("llm", "team").nodes(2).gpus(8).spec("checkpoint", {"volumeClaim": {"size": "1Ti"}}).spec(
         "resources.memory", "64Gi").spec("scheduling.nodeSelector", {"pool": "h200"}).model()  # fmt: skip
-    training = builders.build_pod(job, 0, 3, SETTINGS)
+    training = podspec.build_pod(job, 0, 3, SETTINGS)
     pod = export_pod(job, training, 40, suffix="40-abcde")
     [c] = pod["spec"]["containers"]
     root = job.spec.checkpoint.mount_path
@@ -350,12 +351,12 @@ def test_an_export_pod_is_a_training_pod_without_devices_or_rendezvous():
     assert pod["spec"]["securityContext"] == training["spec"]["securityContext"]
     assert pod["spec"]["nodeSelector"] == {"pool": "h200"} and "hostname" not in pod["spec"]
     # Never one of the job's training pods to the operator, yet garbage-collected with the job.
-    assert builders.LABEL_JOB not in pod["metadata"]["labels"] and pod["metadata"]["labels"][LABEL_EXPORT] == "llm"
+    assert LABEL_JOB not in pod["metadata"]["labels"] and pod["metadata"]["labels"][LABEL_EXPORT] == "llm"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == job.metadata["uid"]
     assert location(pod, 40) == "llm-checkpoints:llm/exports/step-00000040.safetensors"
     bare = make_job("bare").model()
     with pytest.raises(ExportError, match="no checkpoint storage"):
-        export_pod(bare, builders.build_pod(bare, 0, 1, SETTINGS), 10, suffix="x")
+        export_pod(bare, podspec.build_pod(bare, 0, 1, SETTINGS), 10, suffix="x")
 
 
 def test_a_hugging_face_export_pod_mounts_the_model_again_and_writes_a_directory():
@@ -365,7 +366,7 @@ def test_a_hugging_face_export_pod_mounts_the_model_again_and_writes_a_directory
     job = make_job("ft", "team").spec("checkpoint", {"volumeClaim": {"size": "1Ti"}}).spec(
         "trainer.model", {"huggingface": {"path": "/models/qwen"}}).spec("pod.volumes", [models]).spec(
         "pod.volumeMounts", [{"name": "models", "mountPath": "/models", "readOnly": True}]).model()  # fmt: skip
-    pod = export_pod(job, builders.build_pod(job, 0, 1, SETTINGS), 40, suffix="40-abcde")
+    pod = export_pod(job, podspec.build_pod(job, 0, 1, SETTINGS), 40, suffix="40-abcde")
     [c] = pod["spec"]["containers"]
     root = job.spec.checkpoint.mount_path
     assert c["command"][c["command"].index("--out") + 1] == f"{root}/exports/step-00000040"
@@ -376,10 +377,10 @@ def test_a_hugging_face_export_pod_mounts_the_model_again_and_writes_a_directory
 
 def test_the_pods_of_an_attempt_built_at_once_are_those_built_one_by_one():
     job = make_job("llm", "team").nodes(4).gpus(8).model()
-    pods = builders.build_pods(job, [3, 1], attempt=2, settings=SETTINGS)
-    assert pods == [builders.build_pod(job, i, attempt=2, settings=SETTINGS) for i in (3, 1)]
+    pods = podspec.build_pods(job, [3, 1], attempt=2, settings=SETTINGS)
+    assert pods == [podspec.build_pod(job, i, attempt=2, settings=SETTINGS) for i in (3, 1)]
     edited = make_job("llm", "team").nodes(4).gpus(8).model()
     edited.spec.trainer.steps += 1  # another trainer config: another ConfigMap, named by its digest
     volumes = [{v["name"]: v for v in p["spec"]["volumes"]}["trainer-config"] for p in pods]
-    assert volumes == [{"name": "trainer-config", "configMap": {"name": builders.config_map_name(job)}}] * 2
-    assert builders.build_pods(edited, [0], 2, SETTINGS)[0]["spec"]["volumes"] != pods[0]["spec"]["volumes"]
+    assert volumes == [{"name": "trainer-config", "configMap": {"name": children.config_map_name(job)}}] * 2
+    assert podspec.build_pods(edited, [0], 2, SETTINGS)[0]["spec"]["volumes"] != pods[0]["spec"]["volumes"]

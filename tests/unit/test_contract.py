@@ -23,7 +23,7 @@ from sharded_api.contract import (
     parse_step_dir,
     step_dir_name,
 )
-from sharded_operator.render import builders
+from sharded_operator.render import podspec
 from sharded_operator.settings import OperatorSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_the_scan_finds_a_planted_stray(tmp_path):
 
 def test_every_pod_variable_the_trainer_reads_is_set_by_the_operator():
     settings = OperatorSettings(progress_url="http://op:8080/progress")
-    pod = builders.build_pod(make_job("llm").nodes(2).model(), 1, 3, settings)
+    pod = podspec.build_pod(make_job("llm").nodes(2).model(), 1, 3, settings)
     names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
     # EXIT_DIR is the launcher's, for its own workers; WORKER_START a user's choice (spec.pod.env), which
     # the launcher defaults to forkserver.

@@ -13,7 +13,7 @@ import pytest
 from jobs import make_job
 from sharded_operator.api import overrides
 from sharded_operator.api.overrides import ROWS, Allow, forbidden, outside
-from sharded_operator.render import builders
+from sharded_operator.render import podspec
 from sharded_operator.settings import OperatorSettings
 
 CASES = [(row, example) for row in ROWS for example in row.risky]
@@ -89,7 +89,7 @@ def test_the_operator_reads_the_allowlist_from_its_settings():
 def test_the_infiniband_pod_the_allowlist_admits_is_what_the_builder_renders():
     """The row names what the builder really grants: IPC_LOCK and the host network come with the profile."""
     job = make_job().gpus(8).spec("network", {"infiniband": {"enabled": True}, "hostNetwork": True}).model()
-    pod = builders.build_pod(job, 0, 1, OperatorSettings())
+    pod = podspec.build_pod(job, 0, 1, OperatorSettings())
     assert pod["spec"]["hostNetwork"] is True
     assert "IPC_LOCK" in pod["spec"]["containers"][0]["securityContext"]["capabilities"]["add"]
 

@@ -9,7 +9,7 @@ from quantities import QUANTITIES
 
 from jobs import make_job
 from sharded_api.quantity import QuantityError, is_quantity, parse_quantity
-from sharded_operator.render import builders
+from sharded_operator.render import podspec
 
 
 def test_the_table_is_wide_enough():
@@ -39,4 +39,4 @@ def test_shm_from_any_admitted_memory_quantity_is_bounded():
     """Half the pod's memory, even for quantities no node has; nothing the API server admits crashes here."""
     for memory, shm in [("100u", "0"), ("64Gi", str(32 * 2**30)), ("1e9999999999", str((2**63 - 1) // 2))]:
         job = make_job().spec("resources.memory", memory).model()
-        assert builders.shm_size(job) == shm
+        assert podspec.shm_size(job) == shm

@@ -20,7 +20,7 @@ from sharded_operator.api.models import (
     ShardedTrainingJobStatus,
 )
 from sharded_operator.decide.views import POD_FINISHED, Observed
-from sharded_operator.render.builders import pod_name
+from sharded_operator.render.names import pod_name
 
 # Reasons of failures that are disruptions whatever their exit code.
 DISRUPTION_REASONS = frozenset(

@@ -1,16 +1,11 @@
 """Pure pieces of every pod the operator makes (training pods, export pods): security contexts, added
-containers, Kueue's pod-group labels."""
+containers."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sharded_operator.api.models import ShardedTrainingJob
 from sharded_operator.api.spec import ExtraContainer
-
-KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
-KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
-KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 
 
 def restricted(capabilities: dict[str, list[str]]) -> dict[str, Any]:
@@ -30,9 +25,3 @@ def extra_container(c: ExtraContainer) -> dict[str, Any]:
     out = c.model_dump(by_alias=True, exclude_none=True)
     out.setdefault("securityContext", restricted({"drop": ["ALL"]}))
     return out
-
-
-def kueue_group(job: ShardedTrainingJob, attempt: int) -> str:
-    """<name>-<attempt>-<uid prefix>: unique to this job object's attempt (a re-created job of the same name
-    gets new groups), and a label value of at most 63 characters (names are at most 50)."""
-    return f"{job.metadata['name']}-{attempt}-{job.metadata.get('uid', '')[:5]}".rstrip("-")[:63]

@@ -20,7 +20,7 @@ from sharded_operator.decide.failure import missing_pods
 from sharded_operator.decide.lifecycle import decide, next_due, record_refusal, set_phase
 from sharded_operator.decide.progress import REPORT_FIELDS
 from sharded_operator.decide.views import NodeView, Observed, PodView, controller_uid
-from sharded_operator.render import builders
+from sharded_operator.render import children, names, podgroup, podspec, rendezvous
 from sharded_operator.run.election import Hearing, Leadership
 from sharded_operator.run.k8s import ApiError, Kube, MissingAPI, Refused, Stale
 from sharded_operator.run.recent import Recent
@@ -145,7 +145,7 @@ def _reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome 
         pods = [p for p in snap.pods if p.owner_uid == uid and p.index >= 0]
         # Pods of a deleted job of the same name, still going (its store pod too): not ours to judge.
         foreign = [p.name for p in snap.pods if p.owner_uid != uid]
-        store_name = builders.store_pod_name(job)
+        store_name = names.store_pod_name(job)
         store = next((p for p in snap.pods if p.index < 0 and p.owner_uid == uid and p.name == store_name), None)
         departed = ctx.departed.get(key, {})
         observed = Observed(pods=pods, nodes=confirmed(ctx, snap, logger), departed=departed, foreign=foreign,
@@ -211,11 +211,11 @@ def _reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome 
             ctx.kube.delete_pod(namespace, pod, 0, uid=uids.get(pod))
         if plan.delete_store:
             store_uid = store.uid if store else None
-            ctx.kube.delete_pod(namespace, builders.store_pod_name(job), plan.store_grace, uid=store_uid)
+            ctx.kube.delete_pod(namespace, names.store_pod_name(job), plan.store_grace, uid=store_uid)
         # 2. children the pods need, then the pods of the current attempt (built from the decided status:
         #    a host-network job's port is chosen once, before its first child)
         if job.spec.network.host_network and plan.status.host_port is None and plan.status.phase not in FINISHED:
-            plan.status.host_port = builders.choose_host_port(uid, ctx.settings.host_ports, set(snap.host_ports))
+            plan.status.host_port = rendezvous.choose_host_port(uid, ctx.settings.host_ports, set(snap.host_ports))
         decided = job.model_copy(update={"status": plan.status})
         due = next_due(job, plan.status, observed, now)
         if (plan.create or plan.create_store) and not ctx.leadership.acting():
@@ -225,10 +225,10 @@ def _reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome 
             try:
                 # The pods would mount or resolve another job's objects while it is held.
                 held = _ensure_children(ctx, decided, body)
-                built = [] if held else builders.build_pods(decided, plan.create, plan.status.attempt, ctx.settings)
+                built = [] if held else podspec.build_pods(decided, plan.create, plan.status.attempt, ctx.settings)
                 pods = [adopt(pod, body) for pod in built]
                 if plan.create_store and not held:  # first: the training pods' rendezvous needs it
-                    pods.insert(0, adopt(builders.build_store_pod(decided, ctx.settings), body))
+                    pods.insert(0, adopt(podspec.build_store_pod(decided, ctx.settings), body))
                 for created in _create_pods(ctx, namespace, pods):
                     view = PodView.from_pod(created)
                     ctx.recent.pod_created(key, view)
@@ -328,19 +328,19 @@ def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]
     """Create what the pods need, all at once (a job's start is a chain of round trips: one less per child);
     returns a child whose name is still held by another job's object."""
     ns, uid = body["metadata"]["namespace"], body["metadata"]["uid"]
-    children = [adopt(builders.build_service(job), body), adopt(builders.build_config_map(job, ctx.settings), body)]
-    if (group := builders.build_pod_group(job)) is not None:
-        children.append(adopt(group, body))
-    if (pvc := builders.build_pvc(job)) is not None:
+    objects = [adopt(rendezvous.build_service(job), body), adopt(children.build_config_map(job, ctx.settings), body)]
+    if (group := podgroup.build_pod_group(job)) is not None:
+        objects.append(adopt(group, body))
+    if (pvc := children.build_pvc(job)) is not None:
         assert job.spec.checkpoint and job.spec.checkpoint.volume_claim
         if not job.spec.checkpoint.volume_claim.retain_on_delete:
             pvc = adopt(pvc, body)
         pvc["metadata"]["namespace"] = ns
-        children.append(pvc)
+        objects.append(pvc)
     # A retained claim an earlier job of this name created (no owner, another UID recorded on it) is this
     # job's to resume from; one still owned by a deleted job, or being deleted, is not usable yet. A PodGroup
     # of the same name is the scheduler's, whoever made it.
-    for child, made in zip(children, _send(ctx, ns, children), strict=True):
+    for child, made in zip(objects, _send(ctx, ns, objects), strict=True):
         if made is None and child["kind"] != "PodGroup" and _held(ctx.kube.read_meta(ns, child), uid):
             return f"{child['kind']} {child['metadata']['name']}"
     return None

@@ -1,79 +1,42 @@
-"""Pure builders: (job, settings) -> the Service, ConfigMap, PVC, PodGroup and Pod manifests of a job.
-
-No API calls here; reconcile creates what these return and adds the owner reference itself
-(`reconcile.adopt`), except on the checkpoint PVC, which outlives the job unless told otherwise.
-Every variable a pod gets is named in `sharded_api.contract.PodEnv`.
-"""
+"""Pure builders of a job's pods: (job, index, attempt, settings) -> the training pods, and the pod that
+serves the rendezvous store. Every variable a pod gets is named in `sharded_api.contract.PodEnv`."""
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
-import zlib
 from collections.abc import Iterable
 from decimal import Decimal
 from typing import Any
 
-import yaml
-
-from sharded_api.config import CheckpointConfig, TrainerConfig
 from sharded_api.contract import CONTRACT_VERSION, PROGRESS_TOKEN_DIR, PROGRESS_TOKEN_FILE, PodEnv
 from sharded_api.quantity import quantity_value
 from sharded_operator.api.models import (
-    ANNOTATION_CREATED_BY,
     CONTAINER,
     LABEL_ATTEMPT,
     LABEL_INDEX,
-    LABEL_JOB,
     LABEL_ROLE,
     ROLE_RENDEZVOUS,
     STORE_CONTAINER,
     ShardedTrainingJob,
 )
-from sharded_operator.render.security import (
-    KUEUE_GROUP,
-    KUEUE_GROUP_COUNT,
-    KUEUE_QUEUE,
-    extra_container,
-    kueue_group,
-    pod_security,
-    restricted,
+from sharded_operator.render.children import config_map_name
+from sharded_operator.render.kueue import kueue_metadata
+from sharded_operator.render.names import (
+    job_labels,
+    job_name,
+    job_namespace,
+    pod_host,
+    pod_name,
+    pvc_name,
+    store_pod_name,
 )
+from sharded_operator.render.podgroup import podgroup_metadata
+from sharded_operator.render.rendezvous import rendezvous_conf, rendezvous_endpoint, rendezvous_port
+from sharded_operator.render.security import extra_container, pod_security, restricted
 from sharded_operator.settings import OperatorSettings
 
 SHM_DEFAULT_BYTES = 2 * 2**30
 _MAX_QUANTITY = Decimal(2**63 - 1)
-
-
-def _name(job: ShardedTrainingJob) -> str:
-    return job.metadata["name"]
-
-
-def _ns(job: ShardedTrainingJob) -> str:
-    return job.metadata.get("namespace", "default")
-
-
-def job_labels(job: ShardedTrainingJob) -> dict[str, str]:
-    return {LABEL_JOB: _name(job)}
-
-
-def pod_name(job: ShardedTrainingJob, index: int) -> str:
-    return f"{_name(job)}-{index}"
-
-
-def pvc_name(job: ShardedTrainingJob) -> str:
-    return f"{_name(job)}-checkpoints"
-
-
-def config_map_name(job: ShardedTrainingJob) -> str:
-    """`<job>-config-<hash of the trainer config>`: a pod mounts the config its attempt was created with,
-    so an edit of the spec takes effect at the next attempt and never under a running one."""
-    return f"{_name(job)}-config-{config_digest(job)}"
-
-
-def config_digest(job: ShardedTrainingJob) -> str:
-    rendered = trainer_config(job).model_dump_json(by_alias=True, exclude_none=True)
-    return hashlib.sha256(rendered.encode()).hexdigest()[:10]
 
 
 def procs_per_node(job: ShardedTrainingJob, settings: OperatorSettings) -> int:
@@ -81,75 +44,6 @@ def procs_per_node(job: ShardedTrainingJob, settings: OperatorSettings) -> int:
     if s.procs_per_node != "auto":
         return int(s.procs_per_node)
     return s.resources.gpus_per_node or settings.cpu_procs_per_node
-
-
-def backend(job: ShardedTrainingJob) -> str:
-    s = job.spec
-    if s.network.backend != "auto":
-        return s.network.backend
-    return "nccl" if s.resources.gpus_per_node > 0 else "gloo"
-
-
-def rendezvous_port(job: ShardedTrainingJob) -> int:
-    """The spec's port; on the host network the job's own host port (`status.hostPort`, see
-    `choose_host_port`), which every pod declares as a hostPort so the scheduler never puts two jobs that
-    bind the same port on one node."""
-    s = job.spec
-    if not s.network.host_network:
-        return s.rendezvous.port
-    if job.status.host_port is None:  # chosen by reconcile before any child is built; a fallback for safety
-        lo, hi = DEFAULT_HOST_PORTS
-        return lo + zlib.crc32(job.metadata.get("uid", _name(job)).encode()) % (hi - lo + 1)
-    return job.status.host_port
-
-
-DEFAULT_HOST_PORTS = (29500, 30499)
-
-
-def choose_host_port(uid: str, ports: tuple[int, int], used: set[int]) -> int:
-    """A port of the range no other active host-network job holds, starting from one derived from the UID
-    (so concurrent choices rarely meet). With every port held, the derived one: the declared hostPort then
-    keeps the two jobs on different nodes rather than letting them collide."""
-    lo, hi = ports
-    size = hi - lo + 1
-    start = zlib.crc32(uid.encode()) % size
-    for i in range(size):
-        port = lo + (start + i) % size
-        if port not in used:
-            return port
-    return lo + start
-
-
-def store_pod_name(job: ShardedTrainingJob) -> str:
-    return f"{_name(job)}-rdzv"
-
-
-def pod_host(job: ShardedTrainingJob, pod: str) -> str:
-    """A pod's stable DNS name through the job's headless Service (its hostname + subdomain)."""
-    return f"{pod}.{_name(job)}.{_ns(job)}.svc"
-
-
-def rendezvous_host(job: ShardedTrainingJob) -> str:
-    return pod_host(job, store_pod_name(job))
-
-
-def rendezvous_conf(job: ShardedTrainingJob) -> str:
-    """torchrun's c10d settings. No agent hosts the store (it lives in the store pod). A node that stops
-    heartbeating leaves the round after about 6 s (every 2 s, 3 missed) instead of 15, so its replacement
-    can join; an elastic round with minNodes waits lastCallSeconds for more, not 30 s."""
-    r = job.spec.rendezvous
-    conf = {
-        "is_host": "false",
-        "join_timeout": r.timeout_seconds,
-        "last_call_timeout": r.last_call_seconds,
-        "keep_alive_interval": 2,
-        "keep_alive_max_attempt": 3,
-    }
-    return ",".join(f"{k}={v}" for k, v in conf.items())
-
-
-def rendezvous_endpoint(job: ShardedTrainingJob) -> str:
-    return f"{rendezvous_host(job)}:{rendezvous_port(job)}"
 
 
 def termination_grace(job: ShardedTrainingJob, settings: OperatorSettings) -> int:
@@ -169,92 +63,6 @@ def shm_size(job: ShardedTrainingJob) -> str:
     return str(SHM_DEFAULT_BYTES)
 
 
-# --- children -----------------------------------------------------------------------------------
-
-
-def build_service(job: ShardedTrainingJob) -> dict[str, Any]:
-    """Headless; publishes not-ready addresses so peers resolve before the trainer is ready."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": _name(job), "labels": job_labels(job)},
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": job_labels(job),
-            "ports": [{"name": "rendezvous", "port": rendezvous_port(job), "targetPort": rendezvous_port(job)}],
-        },
-    }
-
-
-def trainer_config(job: ShardedTrainingJob) -> TrainerConfig:
-    """The full trainer config the pods read: the spec's training part plus strategy, storage and backend."""
-    s = job.spec
-    checkpoint = CheckpointConfig()
-    if s.checkpoint:
-        policy = s.checkpoint.model_dump(include={"interval", "keep_last", "async_save", "resume"})
-        checkpoint = CheckpointConfig(dir=s.checkpoint.mount_path, **policy)
-    # An elastic job keeps its full size's batch; the processes per node are known to the trainer only.
-    batch_nodes = s.elastic.max_nodes if s.elastic and s.elastic.keep_global_batch else None
-    return TrainerConfig(
-        **s.trainer.model_dump(), strategy=s.strategy, checkpoint=checkpoint, backend=backend(job),
-        batch_nodes=batch_nodes,
-    )  # fmt: skip
-
-
-# libyaml's emitter where PyYAML has it: the same text, a fifth of the pure-Python one's CPU per job.
-_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-
-
-def build_config_map(job: ShardedTrainingJob, settings: OperatorSettings) -> dict[str, Any]:
-    """The trainer config, under the file name the pods read it as (settings.trainer_config_path)."""
-    cfg = trainer_config(job).model_dump(by_alias=True, exclude_none=True, mode="json")
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": config_map_name(job), "labels": job_labels(job)},
-        "data": {posixpath.basename(settings.trainer_config_path): yaml.dump(cfg, Dumper=_DUMPER, sort_keys=False)},
-    }
-
-
-def build_pvc(job: ShardedTrainingJob) -> dict[str, Any] | None:
-    ck = job.spec.checkpoint
-    if not ck or not ck.volume_claim:
-        return None
-    vc = ck.volume_claim
-    spec: dict[str, Any] = {"accessModes": list(vc.access_modes), "resources": {"requests": {"storage": str(vc.size)}}}
-    if vc.storage_class_name:
-        spec["storageClassName"] = vc.storage_class_name
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {
-            "name": pvc_name(job),
-            "labels": job_labels(job),
-            "annotations": {ANNOTATION_CREATED_BY: job.metadata.get("uid", "")},
-        },
-        "spec": spec,
-    }
-
-
-def build_pod_group(job: ShardedTrainingJob) -> dict[str, Any] | None:
-    gang = job.spec.scheduling.gang
-    if not gang.enabled:
-        return None
-    meta = {"name": _name(job), "labels": job_labels(job)}
-    if gang.provider == "volcano":
-        spec: dict[str, Any] = {"minMember": job.spec.nodes}
-        if job.spec.scheduling.priority_class_name:
-            spec["priorityClassName"] = job.spec.scheduling.priority_class_name
-        return {"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup", "metadata": meta, "spec": spec}
-    return {
-        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
-        "kind": "PodGroup",
-        "metadata": meta,
-        "spec": {"minMember": job.spec.nodes, "scheduleTimeoutSeconds": gang.schedule_timeout_seconds},
-    }
-
-
 def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSettings) -> list[dict[str, Any]]:
     s = job.spec
     port = rendezvous_port(job)
@@ -265,13 +73,13 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
         PodEnv.NODE_RANK: str(index),
         PodEnv.RDZV_BACKEND: "c10d",
         PodEnv.RDZV_ENDPOINT: rendezvous_endpoint(job),
-        PodEnv.RDZV_ID: f"{job.metadata.get('uid', _name(job))}-{attempt}",
+        PodEnv.RDZV_ID: f"{job.metadata.get('uid', job_name(job))}-{attempt}",
         PodEnv.RDZV_CONF: rendezvous_conf(job),
         PodEnv.MAX_RESTARTS: str(s.elastic.max_restarts if s.elastic else s.failure_policy.in_place_restarts),
         PodEnv.MASTER_ADDR: pod_host(job, pod_name(job, 0)),
         PodEnv.MASTER_PORT: str(port),
-        PodEnv.JOB_NAME: _name(job),
-        PodEnv.JOB_NAMESPACE: _ns(job),
+        PodEnv.JOB_NAME: job_name(job),
+        PodEnv.JOB_NAMESPACE: job_namespace(job),
         PodEnv.JOB_UID: job.metadata.get("uid", ""),
         PodEnv.ATTEMPT: str(attempt),
         PodEnv.RDZV_TIMEOUT: str(s.rendezvous.timeout_seconds),
@@ -359,7 +167,7 @@ def build_store_pod(job: ShardedTrainingJob, settings: OperatorSettings) -> dict
         container["imagePullPolicy"] = s.pod.image_pull_policy
     spec: dict[str, Any] = {
         "hostname": store_pod_name(job),
-        "subdomain": _name(job),
+        "subdomain": job_name(job),
         "restartPolicy": "Never",  # a restarted store would have lost every agent's state
         "terminationGracePeriodSeconds": 5,
         "enableServiceLinks": False,
@@ -395,18 +203,10 @@ def _pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
     labels = {**s.pod.labels, **job_labels(job), LABEL_INDEX: str(index), LABEL_ATTEMPT: str(attempt)}
     annotations = dict(s.pod.annotations)
     sched = s.scheduling
-    if sched.queue_name:
-        # One Kueue workload per attempt (a pod group): Kueue admits all of its pods at once or none, and a
-        # restarted gang queues again as a new group.
-        labels[KUEUE_QUEUE] = sched.queue_name
-        labels[KUEUE_GROUP] = kueue_group(job, attempt)
-        annotations[KUEUE_GROUP_COUNT] = str(s.nodes)
-    scheduler_name = sched.scheduler_name
-    if sched.gang.enabled and sched.gang.provider == "volcano":
-        annotations["scheduling.k8s.io/group-name"] = _name(job)
-        scheduler_name = scheduler_name or "volcano"
-    elif sched.gang.enabled:
-        labels["scheduling.x-k8s.io/pod-group"] = _name(job)
+    for more_labels, more_annotations in (kueue_metadata(job, attempt), podgroup_metadata(job)[:2]):
+        labels.update(more_labels)
+        annotations.update(more_annotations)
+    scheduler_name = podgroup_metadata(job)[2]
 
     command = ["python", "-m", "sharded_trainer.launch", "--config", settings.trainer_config_path]
     if s.command:
@@ -431,7 +231,7 @@ def _pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
             {
                 "name": "checkpoints",
                 "mountPath": s.checkpoint.mount_path,
-                "subPath": s.checkpoint.sub_path or _name(job),
+                "subPath": s.checkpoint.sub_path or job_name(job),
             }
         )
     if settings.progress_url:
@@ -472,7 +272,7 @@ def _pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
 
     spec: dict[str, Any] = {
         "hostname": pod_name(job, index),
-        "subdomain": _name(job),
+        "subdomain": job_name(job),
         "restartPolicy": "Never",  # the operator replaces a failed pod (alone or with its gang), never restarts it
         "terminationGracePeriodSeconds": termination_grace(job, settings),
         "enableServiceLinks": False,

@@ -14,7 +14,8 @@ import pytest
 
 from jobs import make_job
 from sharded_api.contract import iso
-from sharded_operator.decide.lifecycle import decide, next_due
+from sharded_operator.decide.due import next_due
+from sharded_operator.decide.lifecycle import decide
 from sharded_operator.decide.views import NodeView, Observed, PodView
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)

@@ -222,7 +222,7 @@ def test_pod_view_reads_disruption_termination_and_deletion_times():
 
 
 def test_a_refused_create_sets_a_condition_and_one_event_until_creates_go_through():
-    from sharded_operator.decide.lifecycle import record_refusal
+    from sharded_operator.decide.plan import record_refusal
 
     plan = decide_on(running(), [])
     record_refusal(plan, ("Forbidden", "Pod j-0: exceeded quota: pods=1"), iso(NOW))

@@ -10,7 +10,8 @@ import pytest
 from jobs import make_job
 from sharded_api.contract import iso
 from sharded_operator.api.models import Progress, ShardedTrainingJob
-from sharded_operator.decide.lifecycle import Plan, decide
+from sharded_operator.decide.lifecycle import decide
+from sharded_operator.decide.plan import Plan
 from sharded_operator.decide.views import NodeView, Observed, PodView
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)

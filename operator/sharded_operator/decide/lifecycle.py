@@ -7,126 +7,33 @@ calling it twice, or after an operator restart, changes nothing that is already 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
 
 from sharded_api.contract import iso, parse_iso
 from sharded_operator.api.models import (
     FINISHED,
-    Condition,
     ConditionType,
     FailureInfo,
-    InPlaceRecovery,
     Phase,
     ShardedTrainingJob,
-    ShardedTrainingJobStatus,
 )
 from sharded_operator.decide.failure import (
-    MISSING_GRACE_SECONDS,
     current_failures,
     first_failure,
     hang,
-    in_place_budget,
     is_disruption,
     is_permanent,
-    latest,
     missing_pods,
     node_lost,
     recovery_of,
     recovery_overdue,
     replaceable,
-    running_condition_since,
     store_lost,
     store_trouble,
     stuck_on_lost_nodes,
 )
+from sharded_operator.decide.plan import Plan, announce, set_condition, set_phase, set_ready
+from sharded_operator.decide.recovery import follow_recovery, replace_alone
 from sharded_operator.decide.views import POD_FINISHED, Observed, PodView
-
-# The conditions set_phase keeps in step with the phase.
-PHASE_CONDITIONS = tuple(c for c in ConditionType if c.value in {p.value for p in Phase})
-
-
-@dataclass
-class Plan:
-    """What reconcile decided: the status to write and the actions to take, in this order."""
-
-    status: ShardedTrainingJobStatus
-    create: list[int] = field(default_factory=list)  # node indices of the current attempt
-    delete: list[str] = field(default_factory=list)  # pod names
-    force_delete: list[str] = field(default_factory=list)  # pod names to delete with grace 0
-    grace_seconds: int | None = None
-    create_store: bool = False  # the rendezvous store pod, with the pods (it serves every attempt)
-    delete_store: bool = False
-    store_grace: int | None = None  # 0 for a store pod on a lost node: no kubelet will confirm it gone
-    delete_job: bool = False
-    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
-
-
-def set_condition(
-    status: ShardedTrainingJobStatus, type_: ConditionType, value: bool, reason: str, message: str, now: str
-) -> None:
-    """Upsert a condition; lastTransitionTime moves only when the status flips."""
-    new = "True" if value else "False"
-    for i, c in enumerate(status.conditions):
-        if c.type == type_:
-            changed = c.status != new
-            status.conditions[i] = Condition(
-                type=type_, status=new, reason=reason, message=message,
-                last_transition_time=now if changed else c.last_transition_time,
-            )  # fmt: skip
-            return
-    status.conditions.append(
-        Condition(type=type_, status=new, reason=reason, message=message, last_transition_time=now)
-    )
-
-
-def set_ready(status: ShardedTrainingJobStatus, running: int, nodes: int) -> None:
-    status.ready_nodes, status.ready = running, f"{running}/{nodes}"
-
-
-def set_phase(status: ShardedTrainingJobStatus, phase: Phase, reason: str, message: str, now: str) -> None:
-    """The phase, and the condition of each phase that has one: True for this phase, False for the rest."""
-    status.phase = phase
-    status.message = message
-    for cond in PHASE_CONDITIONS:
-        on = cond.value == phase.value
-        set_condition(status, cond, on, reason if on else "", message if on else "", now)
-    done = phase == Phase.SUCCEEDED
-    set_condition(status, ConditionType.COMPLETE, done, reason if done else "", message if done else "", now)
-
-
-def record_refusal(plan: Plan, refusal: tuple[str, str] | None, now: str) -> None:
-    """What the API server said to the last creates: a refusal (reason, its own message) sets the
-    CreateRefused condition and, when it is new, an event; creates going through clear it."""
-    _announce(plan, ConditionType.CREATE_REFUSED, refusal, event="FailedCreate", cleared="Created", now=now,
-              again_on_new_message=True)  # fmt: skip
-    if refusal:
-        plan.status.message = f"the API server refused to create the job's pods: {refusal[1]}"
-
-
-def _announce(
-    plan: Plan,
-    type_: ConditionType,
-    verdict: tuple[str, str] | None,
-    *,
-    event: str,
-    cleared: str,
-    now: str,
-    again_on_new_message: bool = False,
-) -> None:
-    """A condition that is True while `verdict` (reason, message) holds, with a Warning event when it turns
-    True (and, if asked, when its message changes); no verdict turns it False with reason `cleared`."""
-    status = plan.status
-    old = next((c for c in status.conditions if c.type == type_), None)
-    active = old is not None and old.status == "True"
-    if verdict is None:
-        if active:
-            set_condition(status, type_, False, cleared, "", now)
-        return
-    reason, message = verdict
-    if not active or (again_on_new_message and old.message != message):
-        plan.events.append(("Warning", event, message))
-    set_condition(status, type_, True, reason, message, now)
-
 
 # --- the decision -------------------------------------------------------------------------------
 
@@ -183,7 +90,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     if deadline and active and (now - active).total_seconds() > deadline:
         return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
 
-    _follow_recovery(plan, obs, now, elastic=spec.elastic is not None)
+    follow_recovery(plan, obs, now, elastic=spec.elastic is not None)
     if _elastic_finished(job, current) or _session_ended(job, current):
         return _succeed(job, plan, current, ts)
     failures = current_failures(job, status, obs, now)
@@ -193,7 +100,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     failure = (first_failure(job, failures) or lost_store or hang(job, status, now, obs.hearing_since)
                or recovery_overdue(job, status, now))  # fmt: skip
     if failure and not lost_store and replaceable(job, status, failures, failure):
-        _replace_alone(job, plan, obs, failures, failure, now)
+        replace_alone(job, plan, obs, failures, failure, now)
     elif failure:
         return _restart_or_fail(job, plan, obs, failure, grace["restart"], now)
     if missing_pods(job, status, obs):  # gone, but why is not known yet: no replacement, no verdict
@@ -267,7 +174,7 @@ def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], no
     if stuck:
         reason = stuck[0].stuck.split(":", 1)[0]
         verdict = (reason, f"pod {stuck[0].name} stuck for more than {timeout}s: {stuck[0].stuck}")
-    _announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
+    announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
 
 
 def _follow_size(job: ShardedTrainingJob, plan: Plan, now: dt.datetime) -> None:
@@ -303,75 +210,6 @@ def _succeed(job: ShardedTrainingJob, plan: Plan, current: list[PodView], ts: st
     what = "the interactive session ended" if job.spec.interactive else "training finished"
     plan.events.append(("Normal", "Succeeded", f"{what} after {status.restarts} restarts"))
     return plan
-
-
-def _follow_recovery(plan: Plan, obs: Observed, now: dt.datetime, *, elastic: bool = False) -> None:
-    """Keep the in-place recovery in step with what is observed: replacements seen are no longer pending,
-    retired pods gone are forgotten, and a report from a new trainer process once nothing is pending means
-    training resumed (with elastic, while replacements are pending too: the survivors train on)."""
-    status = plan.status
-    rec = recovery_of(status)
-    if rec is None:
-        status.recovery = None
-        return
-    listed = {p.uid for p in obs.pods}
-    rec.retired = [u for u in rec.retired if u in listed]
-    # The decision to replace a pod is written before its delete: a replica that died in between left a
-    # retired pod that nothing else would remove, and its replacement (same name) waiting for it forever.
-    plan.delete += [p.name for p in obs.pods if p.uid in rec.retired and not p.deleting and p.name not in plan.delete]
-    replaced = {p.index for p in obs.pods if p.attempt == status.attempt and p.uid not in rec.retired}
-    rec.pending = [i for i in rec.pending if i not in replaced]
-    progress = status.progress
-    since = parse_iso(rec.since)
-    observed = parse_iso(progress.observed_at) if progress else None
-    if (
-        since and (elastic or not rec.pending) and progress and progress.attempt == status.attempt
-        and progress.run not in (None, rec.run) and observed and observed >= since
-    ):  # fmt: skip
-        what = rec.last.pod if rec.last else "a pod"
-        plan.events.append(
-            ("Normal", "RecoveredInPlace", f"training resumed {(observed - since).total_seconds():.0f}s after {what} "
-             f"was replaced alone (step {progress.step})")
-        )  # fmt: skip
-        rec.since = None
-
-
-def _replace_alone(
-    job: ShardedTrainingJob,
-    plan: Plan,
-    obs: Observed,
-    failures: list[FailureInfo],
-    failure: FailureInfo,
-    now: dt.datetime,
-) -> None:
-    """Replace the failed pods alone: delete each (its name is reused) and create it again once it is gone;
-    the surviving agents restart their workers and wait for it at the next rendezvous round."""
-    status = plan.status
-    rec = recovery_of(status) or InPlaceRecovery(attempt=status.attempt)
-    pods = {p.name: p for p in obs.pods if p.attempt == status.attempt}
-    for f in sorted(failures, key=lambda f: f.node_rank or 0):
-        pod = pods.get(f.pod or "")
-        if pod is not None and pod.uid:
-            rec.retired.append(pod.uid)
-        if pod is not None and not pod.deleting:
-            plan.delete.append(pod.name)
-        if f.node_rank not in rec.pending:
-            rec.pending.append(f.node_rank)  # type: ignore[arg-type] # replaceable() checked it is set
-        rec.replacements += 1
-        status.pod_replacements += 1
-    progress = status.progress
-    if rec.since is None:
-        rec.run = progress.run if progress and progress.attempt == status.attempt else None
-    rec.since = iso(now)
-    rec.last = failure
-    status.recovery = rec
-    names = ", ".join(f.pod or "" for f in failures)
-    exited = f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
-    detail = f"{failure.reason}: {names}{exited}"
-    plan.events.append(
-        ("Warning", "ReplacingPod", f"{detail}; replacing it alone ({rec.replacements}/{in_place_budget(job)} in "
-         f"attempt {status.attempt}); the other nodes wait for it at the next rendezvous round")
-    )  # fmt: skip
 
 
 def _drop_store(
@@ -443,52 +281,3 @@ def _finished(job: ShardedTrainingJob, plan: Plan, obs: Observed, now: dt.dateti
     if ttl is not None and done and (now - done).total_seconds() >= ttl:
         plan.delete_job = True
     return plan
-
-
-# --- when to look again ---------------------------------------------------------------------------
-
-# A timer fires this much after a threshold: the rules compare with > as well as >=.
-DUE_MARGIN = dt.timedelta(milliseconds=50)
-
-
-def next_due(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Observed, now: dt.datetime
-             ) -> dt.datetime | None:  # fmt: skip
-    """The earliest time after `now` at which a rule of `decide` that depends on the clock could decide
-    otherwise for this job as observed (`status` is the one just decided): a deadline, a hang or startup
-    timeout, an in-place recovery's limit, a missing pod's grace, a node not Ready for nodeLostSeconds, a
-    pod stuck past its grace on such a node, a pod unschedulable for schedulingTimeoutSeconds, the TTL.
-    None: only an event (a job, pod or node change) can change the decision. Thresholds already passed
-    were acted on by the decision that computed `status`."""
-    spec, fp = job.spec, job.spec.failure_policy
-    times: list[dt.datetime | None] = []
-
-    def after(start: str | None, seconds: float | None) -> None:
-        if seconds is not None and (t := parse_iso(start)) is not None:
-            times.append(t + dt.timedelta(seconds=seconds))
-
-    if status.phase in FINISHED:
-        after(status.completion_time, spec.run_policy.ttl_seconds_after_finished)
-    elif not spec.run_policy.suspend:
-        after(status.active_since or status.start_time, spec.run_policy.active_deadline_seconds)
-        if status.phase == Phase.RUNNING:
-            progress = status.progress
-            if progress and progress.attempt == status.attempt and progress.observed_at:
-                after(iso(latest(progress.observed_at, obs.hearing_since)), fp.hang_timeout_seconds)
-            elif running := running_condition_since(status):
-                after(iso(latest(running, obs.hearing_since)), fp.startup_timeout_seconds)
-        if (rec := recovery_of(status)) and rec.since:
-            after(rec.since, fp.in_place_timeout_seconds)
-        for since in obs.missing_since.values():
-            after(since, MISSING_GRACE_SECONDS)
-        for pod in obs.pods:
-            if pod.stuck and pod.phase == "Pending" and pod.attempt == status.attempt:
-                after(pod.stuck_since, fp.scheduling_timeout_seconds)
-    # Lost nodes matter in every phase: a finished job's pods stuck on one are forced out too.
-    pods = [*obs.pods, *([obs.store] if obs.store else [])]
-    for name in {p.node for p in pods if p.node}:
-        view = (obs.nodes or {}).get(name)
-        if view is not None and not view.ready:
-            after(view.since, fp.node_lost_seconds)
-            times += [parse_iso(p.grace_ends) for p in pods if p.node == name and p.deleting]
-    future = [t for t in times if t is not None and t > now]
-    return min(future) + DUE_MARGIN if future else None

@@ -16,8 +16,10 @@ from sharded_api.config import format_validation_error
 from sharded_api.contract import iso
 from sharded_operator.api.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
 from sharded_operator.api.overrides import forbidden
+from sharded_operator.decide.due import next_due
 from sharded_operator.decide.failure import missing_pods
-from sharded_operator.decide.lifecycle import decide, next_due, record_refusal, set_phase
+from sharded_operator.decide.lifecycle import decide
+from sharded_operator.decide.plan import record_refusal, set_phase
 from sharded_operator.decide.progress import REPORT_FIELDS
 from sharded_operator.decide.views import NodeView, Observed, PodView, controller_uid
 from sharded_operator.render import children, names, podgroup, podspec, rendezvous

@@ -24,15 +24,8 @@ import yaml
 import localcluster
 from localstack import ROOT, LocalStack
 from nodeagent import can_isolate
-from sharded_operator.api.models import (
-    FINISHED,
-    GROUP,
-    PLURAL,
-    VERSION,
-    Phase,
-    Progress,
-    ShardedTrainingJobStatus,
-)
+from sharded_operator.api.models import GROUP, PLURAL, VERSION
+from sharded_operator.api.status import FINISHED, Phase, Progress, ShardedTrainingJobStatus
 
 
 def say(msg: str) -> None:

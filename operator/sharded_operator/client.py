@@ -21,17 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sharded_operator.api.models import (
-    CONTAINER,
-    FINISHED,
-    GROUP,
-    KIND,
-    LABEL_ATTEMPT,
-    LABEL_INDEX,
-    VERSION,
-    Phase,
-    ShardedTrainingJob,
-)
+from sharded_operator.api.models import CONTAINER, GROUP, KIND, LABEL_ATTEMPT, LABEL_INDEX, VERSION, ShardedTrainingJob
+from sharded_operator.api.status import FINISHED, Phase
 from sharded_operator.render.export_pod import ExportError, export_pod, location
 from sharded_operator.run.k8s import Kube, Refused
 from sharded_operator.run.transport import ApiError

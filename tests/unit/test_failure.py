@@ -9,7 +9,7 @@ import pytest
 
 from jobs import make_job
 from sharded_api.contract import ProgressReport, iso
-from sharded_operator.api.models import ShardedTrainingJobStatus
+from sharded_operator.api.status import ShardedTrainingJobStatus
 from sharded_operator.decide.lifecycle import decide
 from sharded_operator.decide.progress import merge_report
 from sharded_operator.decide.views import NodeView, Observed, PodView

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sharded_operator.api.models import ShardedTrainingJobStatus
+from sharded_operator.api.status import ShardedTrainingJobStatus
 from sharded_operator.run.jobmetrics import METRIC_NAMES
 from sharded_operator.run.web import Metrics
 

@@ -14,7 +14,8 @@ import pytest
 
 from jobs import make_job
 from sharded_api.contract import ProgressReport, TrainerEventType, iso
-from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_JOB, ShardedTrainingJobStatus
+from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_JOB
+from sharded_operator.api.status import ShardedTrainingJobStatus
 from sharded_operator.decide.progress import (
     POD_NAME_EXTRA,
     POD_UID_EXTRA,

@@ -9,7 +9,8 @@ import pytest
 
 from jobs import make_job
 from sharded_api.contract import iso
-from sharded_operator.api.models import Progress, ShardedTrainingJob
+from sharded_operator.api.models import ShardedTrainingJob
+from sharded_operator.api.status import Progress
 from sharded_operator.decide.lifecycle import decide
 from sharded_operator.decide.plan import Plan
 from sharded_operator.decide.views import NodeView, Observed, PodView

@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime as dt
 
 from sharded_api.contract import iso, parse_iso
-from sharded_operator.api.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
+from sharded_operator.api.models import ShardedTrainingJob
+from sharded_operator.api.status import FINISHED, Phase, ShardedTrainingJobStatus
 from sharded_operator.decide.failure import (
     MISSING_GRACE_SECONDS,
     latest,

@@ -11,14 +11,8 @@ from __future__ import annotations
 import datetime as dt
 
 from sharded_api.contract import ExitCode, iso, parse_iso
-from sharded_operator.api.models import (
-    ConditionType,
-    FailureInfo,
-    InPlaceRecovery,
-    Phase,
-    ShardedTrainingJob,
-    ShardedTrainingJobStatus,
-)
+from sharded_operator.api.models import ShardedTrainingJob
+from sharded_operator.api.status import ConditionType, FailureInfo, InPlaceRecovery, Phase, ShardedTrainingJobStatus
 from sharded_operator.decide.views import POD_FINISHED, Observed
 from sharded_operator.render.names import pod_name
 

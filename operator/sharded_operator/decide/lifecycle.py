@@ -9,13 +9,8 @@ from __future__ import annotations
 import datetime as dt
 
 from sharded_api.contract import iso, parse_iso
-from sharded_operator.api.models import (
-    FINISHED,
-    ConditionType,
-    FailureInfo,
-    Phase,
-    ShardedTrainingJob,
-)
+from sharded_operator.api.models import ShardedTrainingJob
+from sharded_operator.api.status import FINISHED, ConditionType, FailureInfo, Phase
 from sharded_operator.decide.failure import (
     current_failures,
     first_failure,

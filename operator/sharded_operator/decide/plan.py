@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sharded_operator.api.models import Condition, ConditionType, Phase, ShardedTrainingJobStatus
+from sharded_operator.api.status import Condition, ConditionType, Phase, ShardedTrainingJobStatus
 
 # The conditions set_phase keeps in step with the phase.
 PHASE_CONDITIONS = tuple(c for c in ConditionType if c.value in {p.value for p in Phase})

@@ -17,14 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharded_api.contract import ProgressReport, TrainerEventType, parse_iso
-from sharded_operator.api.models import (
-    LABEL_ATTEMPT,
-    LABEL_JOB,
-    CheckpointStatus,
-    Progress,
-    ShardedTrainingJobStatus,
-    TrainerEventCursor,
-)
+from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_JOB
+from sharded_operator.api.status import CheckpointStatus, Progress, ShardedTrainingJobStatus, TrainerEventCursor
 from sharded_operator.decide.views import controller_uid
 
 # Status fields only reports write; reconcile leaves them alone (its patch never names them).

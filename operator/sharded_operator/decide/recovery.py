@@ -6,7 +6,8 @@ from __future__ import annotations
 import datetime as dt
 
 from sharded_api.contract import iso, parse_iso
-from sharded_operator.api.models import FailureInfo, InPlaceRecovery, ShardedTrainingJob
+from sharded_operator.api.models import ShardedTrainingJob
+from sharded_operator.api.status import FailureInfo, InPlaceRecovery
 from sharded_operator.decide.failure import in_place_budget, recovery_of
 from sharded_operator.decide.plan import Plan
 from sharded_operator.decide.views import Observed

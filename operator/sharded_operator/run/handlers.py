@@ -29,7 +29,8 @@ from typing import Any
 
 import kopf
 
-from sharded_operator.api.models import FINISHED, GROUP, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.api.models import GROUP, LABEL_JOB, PLURAL, VERSION
+from sharded_operator.api.status import FINISHED
 from sharded_operator.decide.progress import REPORT_FIELDS
 from sharded_operator.decide.views import JobView, PodView
 from sharded_operator.run import election, transport, web

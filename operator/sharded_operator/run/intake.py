@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from sharded_api.config import format_validation_error
 from sharded_api.contract import MAX_REPORT_BYTES, ProgressReport, iso
-from sharded_operator.api.models import ShardedTrainingJobStatus
+from sharded_operator.api.status import ShardedTrainingJobStatus
 from sharded_operator.decide.progress import (
     Refusal,
     Sender,

@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sharded_api.contract import parse_iso
-from sharded_operator.api.models import FINISHED, Phase, ShardedTrainingJobStatus
+from sharded_operator.api.status import FINISHED, Phase, ShardedTrainingJobStatus
 
 PREFIX = "sharded_training_"
 # `job_name`, not `job`: Prometheus gives `job` to the scrape job (as kube-state-metrics, which says job_name).

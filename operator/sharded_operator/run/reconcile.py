@@ -14,8 +14,9 @@ from pydantic import ValidationError
 
 from sharded_api.config import format_validation_error
 from sharded_api.contract import iso
-from sharded_operator.api.models import FINISHED, Phase, ShardedTrainingJob, ShardedTrainingJobStatus
+from sharded_operator.api.models import ShardedTrainingJob
 from sharded_operator.api.overrides import forbidden
+from sharded_operator.api.status import FINISHED, Phase, ShardedTrainingJobStatus
 from sharded_operator.decide.due import next_due
 from sharded_operator.decide.failure import missing_pods
 from sharded_operator.decide.lifecycle import decide

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sharded_api.contract import MAX_REPORT_BYTES
-from sharded_operator.api.models import Phase
+from sharded_operator.api.status import Phase
 from sharded_operator.run.jobmetrics import JobSeries
 
 

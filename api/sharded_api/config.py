@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import yaml
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from sharded_api.cel import At, Has
-from sharded_api.rules import Rule, Ruled, RuleViolation
+from sharded_api.rules import Rule, Ruled
 
 
 class Model(Ruled):
@@ -365,82 +364,3 @@ class TrainerConfig(TrainingSpec):
             raise ValueError("exportOnSuccess needs checkpoint.dir and model.huggingface: the export is a Hugging "
                              "Face directory written next to the checkpoints")
         return self
-
-
-def with_kept_batch(cfg: TrainerConfig, procs_per_node: int) -> TrainerConfig:
-    """The config with the global batch an elastic job keeps (that of `batch_nodes` nodes of
-    `procs_per_node` processes) made explicit; unchanged where globalBatchSize is set or nothing is kept."""
-    if cfg.global_batch_size is not None or cfg.batch_nodes is None:
-        return cfg
-    kept = cfg.micro_batch_size * cfg.grad_accum_steps * procs_per_node * cfg.batch_nodes
-    return cfg.model_copy(update={"global_batch_size": kept})
-
-
-def accumulation_for(cfg: TrainingSpec, world: int) -> tuple[int, int]:
-    """(gradient accumulation steps, global batch) for `world` processes: the config's own accumulation, or
-    the one whose batch lies nearest `global_batch_size` (the smaller on a tie: less time per step)."""
-    per_pass = cfg.micro_batch_size * world
-    if cfg.global_batch_size is None:
-        return cfg.grad_accum_steps, per_pass * cfg.grad_accum_steps
-    low = max(1, min(1024, cfg.global_batch_size // per_pass))
-    high = min(1024, low + 1)
-    accum = min((low, high), key=lambda a: (abs(a * per_pass - cfg.global_batch_size), a))
-    return accum, accum * per_pass
-
-
-def describe_batch(cfg: TrainingSpec, world: int) -> str:
-    """The batch `world` processes train with, for people (the SettingChosen event)."""
-    accum, global_batch = accumulation_for(cfg, world)
-    text = f"global batch {global_batch} ({cfg.micro_batch_size} x {accum} accumulated x {world} processes)"
-    if cfg.global_batch_size not in (None, global_batch):
-        text += f", the nearest to globalBatchSize {cfg.global_batch_size} that {world} processes allow"
-    return text
-
-
-class ConfigError(ValueError):
-    """A config a user wrote is invalid; the message names every offending field."""
-
-
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """One line per problem: `field.path: message (got value)`."""
-    lines = []
-    for e in err.errors():
-        # list positions as the API server writes them: spec.pod.sidecars[0].image
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
-        violation = (e.get("ctx") or {}).get("error")
-        if isinstance(violation, RuleViolation):  # each rule names its own field under the model's
-            lines += [f"{prefix}{'.'.join(p for p in (loc, r.field) if p)}: {r.message}" for r in violation.broken]
-            continue
-        got = "" if e["type"] in ("missing", "value_error") else f" (got {e.get('input')!r})"
-        msg = e["msg"].removeprefix("Value error, ")
-        where = f"{prefix}{loc}: " if loc else prefix
-        lines.append(f"{where}{msg}{got}")
-    return "\n".join(lines)
-
-
-def load_config(path: str, overrides: list[str] | None = None) -> TrainerConfig:
-    """Read a YAML/JSON config file, apply `a.b=value` overrides, validate. Raises ConfigError."""
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping, got {type(raw).__name__}")
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} must look like key.path=value (e.g. steps=20)")
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {p} is not a mapping")
-        node[parts[-1]] = yaml.safe_load(value)
-    try:
-        return TrainerConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(f"invalid trainer config {path}:\n{format_validation_error(e)}") from e

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sharded_api.config import load_config
+from sharded_api.loading import load_config
 from sharded_trainer.checkpoint.manager import step_dir
 from sharded_trainer.modeling.decoder import preset_network
 from sharded_trainer.process_group import init_distributed, shutdown

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from sharded_api.config import load_config
+from sharded_api.loading import load_config
 from sharded_trainer.modeling.build import build_network
 from sharded_trainer.modeling.hf import SafetensorsWeights, checkpoint_key
 from sharded_trainer.modeling.quantize import is_nf4, nf4_bytes

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from sharded_api.config import load_config
+from sharded_api.loading import load_config
 from sharded_trainer.process_group import init_distributed, shutdown
 from sharded_trainer.reporting.metrics import emit
 from sharded_trainer.train import train

@@ -13,7 +13,7 @@ from rule_cases import rule_cases
 
 from localstack import install_crd
 from manifests import load_example, mutate
-from sharded_api.config import format_validation_error
+from sharded_api.loading import format_validation_error
 from sharded_api.quantity import is_quantity
 from sharded_operator.api.models import GROUP, PLURAL, VERSION, ShardedTrainingJob
 

@@ -93,7 +93,8 @@ def test_a_model_whose_files_miss_a_parameter_is_refused_before_training_naming_
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from sharded_api.config import ConfigError, TrainerConfig
+    from sharded_api.config import TrainerConfig
+    from sharded_api.loading import ConfigError
     from sharded_trainer.modeling.hf import build_hf
     from tinyhf import tiny_config
 

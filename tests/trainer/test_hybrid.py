@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.torchrun_jobs import run_job, write_config
-from sharded_api.config import load_config
+from sharded_api.loading import load_config
 from sharded_trainer.checkpoint.export import load_model_state
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
 

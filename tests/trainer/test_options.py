@@ -129,7 +129,7 @@ def test_the_export_of_a_bf16_run_holds_fp32_master_weights_and_says_so(runs, st
     import torch
     from safetensors import safe_open
 
-    from sharded_api.config import load_config
+    from sharded_api.loading import load_config
     from sharded_trainer.checkpoint.export import export_checkpoint
 
     directory, run, _ = runs[f"bf16-{strategy}"]

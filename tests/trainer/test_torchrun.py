@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from helpers.torchrun_jobs import ROOT, Run, run_job, start_agents, wait_agents, write_config
-from sharded_api.config import load_config
 from sharded_api.contract import MARKER, ExitCode
+from sharded_api.loading import load_config
 from sharded_trainer.checkpoint.export import export_checkpoint, load_exported, load_model_state
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
 

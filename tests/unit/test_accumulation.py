@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sharded_api.config import TrainerConfig, TrainingSpec, accumulation_for, describe_batch, with_kept_batch
+from sharded_api.batch import accumulation_for, describe_batch, with_kept_batch
+from sharded_api.config import TrainerConfig, TrainingSpec
 
 
 @pytest.mark.parametrize(

@@ -193,7 +193,7 @@ def test_auto_keeps_the_strategy_of_the_checkpoint_and_zero2_for_fp16():
 
 
 def test_auto_refuses_before_training_when_nothing_fits():
-    from sharded_api.config import ConfigError
+    from sharded_api.loading import ConfigError
 
     fits = r"no setting fits in 20.6 GiB \(90% of the GPU's 24 GiB less 1 GiB\) at microBatchSize 64"
     with pytest.raises(ConfigError, match=fits):
@@ -219,7 +219,7 @@ def test_a_hostile_config_json_is_refused_naming_the_field(tmp_path, content, me
 
 def refused(directory, content: str, error: type, message: str, auto_says: str) -> None:
     """config.json holding `content`: `plan` raises `error` naming it, and `strategy.type: auto` a config error."""
-    from sharded_api.config import ConfigError
+    from sharded_api.loading import ConfigError
 
     (directory / "config.json").write_text(content)
     with pytest.raises(error, match=r"config\.json") as e:
@@ -286,7 +286,7 @@ def test_exporting_an_auto_run_whose_checkpoint_does_not_name_its_strategy_exits
 def test_a_bad_gpu_memory_limit_fails_before_training_naming_the_variable(monkeypatch, value):
     import torch
 
-    from sharded_api.config import ConfigError
+    from sharded_api.loading import ConfigError
     from sharded_trainer.process_group import DistEnv
     from sharded_trainer.train import gpu_memory
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from manifests import EXAMPLES, MALFORMED, load_example, mutate
-from sharded_api.config import format_validation_error
+from sharded_api.loading import format_validation_error
 from sharded_operator.api.models import ShardedTrainingJob
 
 

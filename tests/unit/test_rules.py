@@ -7,7 +7,8 @@ from pydantic import ValidationError
 from rule_cases import models_in_job, rule_cases
 
 from sharded_api.cel import At, Ctx, Has
-from sharded_api.config import TrainerConfig, format_validation_error
+from sharded_api.config import TrainerConfig
+from sharded_api.loading import format_validation_error
 from sharded_api.rules import Rule
 from sharded_operator.api import crdgen
 from sharded_operator.api.models import ShardedTrainingJob, ShardedTrainingJobSpec

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sharded_api.config import ConfigError, load_config
 from sharded_api.contract import ExitCode
+from sharded_api.loading import ConfigError, load_config
 from sharded_trainer.launch import record_exit
 from sharded_trainer.reporting.progress import target_from_env
 

@@ -25,8 +25,9 @@ import sys
 import threading
 from typing import NoReturn
 
-from sharded_api.config import TrainerConfig, load_config
+from sharded_api.config import TrainerConfig
 from sharded_api.contract import DEFAULT_CONFIG_PATH, ExitCode, WorkerEnv, iso
+from sharded_api.loading import load_config
 from sharded_trainer.launch import record_exit
 from sharded_trainer.reporting.progress import ProgressReporter, target_from_env
 

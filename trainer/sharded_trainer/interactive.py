@@ -22,8 +22,8 @@ import signal
 import sys
 import tempfile
 
-from sharded_api.config import ConfigError, load_config
 from sharded_api.contract import ExitCode, PodEnv
+from sharded_api.loading import ConfigError, load_config
 
 
 def log(msg: str) -> None:

@@ -29,8 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-from sharded_api.config import ConfigError, load_config
 from sharded_api.contract import STOPPING, ExitCode, PodEnv, WorkerEnv
+from sharded_api.loading import ConfigError, load_config
 from sharded_trainer.agent import helper, torchrun_args
 
 

@@ -29,7 +29,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sharded_api.config import ConfigError, StrategyConfig, TrainerConfig
+from sharded_api.config import StrategyConfig, TrainerConfig
+from sharded_api.loading import ConfigError
 from sharded_api.presets import PRESETS
 
 GIB = 1024**3

@@ -14,15 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sharded_api.config import (
-    RECORD_SOURCES,
-    ConfigError,
-    TrainerConfig,
-    accumulation_for,
-    describe_batch,
-    with_kept_batch,
-)
+from sharded_api.batch import accumulation_for, describe_batch, with_kept_batch
+from sharded_api.config import RECORD_SOURCES, TrainerConfig
 from sharded_api.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
+from sharded_api.loading import ConfigError
 from sharded_trainer import memplan
 from sharded_trainer.checkpoint.manager import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
 from sharded_trainer.data import records

@@ -16,16 +16,15 @@ from sharded_api.cel import At, Has
 from sharded_api.config import StrategyConfig, TrainerConfig, TrainingSpec
 from sharded_api.contract import DEFAULT_CONFIG_PATH, WorkerEnv
 from sharded_api.rules import Rule, Ruled
+from sharded_operator.api.pods import TRAINER_CONTAINER, PodOverrides
 from sharded_operator.api.spec import (
     PROCS_SCHEMA,
-    TRAINER_CONTAINER,
     ApiModel,
     Checkpoint,
     Elastic,
     FailurePolicy,
     Interactive,
     Network,
-    PodOverrides,
     Quantity,
     Rendezvous,
     Resources,

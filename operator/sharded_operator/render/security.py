@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharded_operator.api.spec import ExtraContainer
+from sharded_operator.api.pods import ExtraContainer
 
 
 def restricted(capabilities: dict[str, list[str]]) -> dict[str, Any]:

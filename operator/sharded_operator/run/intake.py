@@ -25,8 +25,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sharded_api.config import format_validation_error
 from sharded_api.contract import MAX_REPORT_BYTES, ProgressReport, iso
+from sharded_api.loading import format_validation_error
 from sharded_operator.api.status import ShardedTrainingJobStatus
 from sharded_operator.decide.progress import (
     Refusal,

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sharded_api.config import format_validation_error
 from sharded_api.contract import iso
+from sharded_api.loading import format_validation_error
 from sharded_operator.api.models import ShardedTrainingJob
 from sharded_operator.api.overrides import forbidden
 from sharded_operator.api.status import FINISHED, Phase, ShardedTrainingJobStatus

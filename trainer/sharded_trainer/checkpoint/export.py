@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from sharded_api.config import ConfigError, TrainerConfig
+from sharded_api.config import TrainerConfig
+from sharded_api.loading import ConfigError
 from sharded_trainer.checkpoint.hf_export import export_hf
 from sharded_trainer.checkpoint.manager import resolve_step_dir, saved_strategy
 from sharded_trainer.modeling.decoder import build_model

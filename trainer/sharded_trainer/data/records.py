@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sharded_api.config import ConfigError, DataConfig
+from sharded_api.config import DataConfig
+from sharded_api.loading import ConfigError
 from sharded_trainer.data.sources import IGNORE, _mix
 
 CACHE_VERSION = 1

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sharded_api.config import ConfigError, HuggingFaceModel, TrainerConfig
+from sharded_api.config import HuggingFaceModel, TrainerConfig
+from sharded_api.loading import ConfigError
 from sharded_trainer.modeling.decoder import DTYPES, Network
 
 # Names a wrapper adds to a parameter's path that the model's own files do not have: peft's wrapper and

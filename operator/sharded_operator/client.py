@@ -24,7 +24,8 @@ from typing import Any
 from sharded_operator.api.models import CONTAINER, GROUP, KIND, LABEL_ATTEMPT, LABEL_INDEX, VERSION, ShardedTrainingJob
 from sharded_operator.api.status import FINISHED, Phase
 from sharded_operator.render.export_pod import ExportError, export_pod, location
-from sharded_operator.run.k8s import Kube, Refused
+from sharded_operator.run.apicalls import Refused
+from sharded_operator.run.k8s import Kube
 from sharded_operator.run.transport import ApiError
 
 POLL_SECONDS = 1.0

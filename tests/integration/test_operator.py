@@ -425,7 +425,8 @@ def test_a_status_written_for_a_replaced_job_never_lands_on_its_successor(ops, c
 def test_a_decision_written_over_an_older_version_of_the_job_is_refused_by_the_api_server(ops, cluster):
     """The fence under every reconcile's status write: the API server refuses a write over a version that is
     no longer the job's (409), and the operator reads the job again instead of landing it."""
-    from sharded_operator.run.k8s import Kube, Stale
+    from sharded_operator.run.apicalls import Stale
+    from sharded_operator.run.k8s import Kube
 
     ops.create(gpu_job().spec("runPolicy.suspend", True))
     job = ops.job()

@@ -10,7 +10,7 @@ import json
 import kopf
 
 from sharded_operator.decide.views import JobView, NodeView, PodView
-from sharded_operator.run import handlers
+from sharded_operator.run import handlers, watched
 from sharded_operator.run.nodewatch import Gone
 from sharded_operator.run.reconcile import Context
 
@@ -51,11 +51,11 @@ def test_a_snapshot_takes_the_job_not_being_deleted_and_the_ports_of_unfinished_
         ("ns", "c"): [JobView.from_job(job("c", "u3", phase="Succeeded", host_port=30002))],
     }  # fmt: skip
     index = kopf.Memo(jobs=views, job_pods={}, nodes={}, nodes_gone=Gone())
-    snap = handlers.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "a"))
+    snap = watched.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "a"))
     assert snap.body["metadata"]["uid"] == "new"
     assert snap.host_ports == frozenset({30001})  # a finished job's port is free again
-    assert handlers.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "gone")) is None
-    assert handlers._job(views, ("ns", "b"))["status"] == {"phase": "Running", "hostPort": 30001}
+    assert watched.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "gone")) is None
+    assert watched.job_body(views, ("ns", "b"))["status"] == {"phase": "Running", "hostPort": 30001}
 
 
 def test_a_snapshot_names_the_nodes_its_pods_are_on_that_the_watch_has_neither_listed_nor_deleted():
@@ -67,7 +67,7 @@ def test_a_snapshot_names_the_nodes_its_pods_are_on_that_the_watch_has_neither_l
     handlers.nodes_changed(ctx, handlers.WorkQueue(), index, {"deleted": NodeView(), "gone-and-back": None})
     handlers.nodes_changed(ctx, handlers.WorkQueue(), index, {"deleted": None, "gone-and-back": NodeView()})
     assert "deleted" in index.nodes_gone and "gone-and-back" not in index.nodes_gone
-    snap = handlers.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "a"))
+    snap = watched.snapshot(Context(settings=handlers.SETTINGS, kube=None), index, ("ns", "a"))
     assert snap.nodes == {"up": NodeView()} and snap.unconfirmed == frozenset({"unreported"})
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from sharded_operator.run import transport
-from sharded_operator.run.k8s import Kube, retrying
+from sharded_operator.run.apicalls import retrying
+from sharded_operator.run.k8s import Kube
 from sharded_operator.run.transport import ApiError, ConfigError, Transport, Unreachable
 
 ROOT = Path(__file__).resolve().parents[2]

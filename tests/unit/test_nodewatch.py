@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from sharded_operator.decide.views import NodeView
-from sharded_operator.run.k8s import Expired, Kube, Malformed
+from sharded_operator.run.apicalls import Expired, Malformed
+from sharded_operator.run.k8s import Kube
 from sharded_operator.run.nodewatch import STUCK_AFTER, NodeWatch, changes
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from jobs import make_job
 from sharded_operator.decide.views import NodeView, PodView
-from sharded_operator.run.k8s import Stale, Written
+from sharded_operator.run.apicalls import Stale, Written
 from sharded_operator.run.reconcile import Context, Snapshot, reconcile
 from sharded_operator.settings import OperatorSettings
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sharded_operator.run import reconcile
-from sharded_operator.run.k8s import Refused
+from sharded_operator.run.apicalls import Refused
 from sharded_operator.run.reconcile import SLOW_START_GROWTH, Context, _create_pods
 from sharded_operator.settings import OperatorSettings
 

@@ -38,7 +38,8 @@ from sharded_operator.run.intake import PROGRESS_THREADS, ProgressDesk
 from sharded_operator.run.k8s import Kube
 from sharded_operator.run.memory import TRIM_SECONDS, Trimmer
 from sharded_operator.run.nodewatch import Changes, Gone, NodeWatch
-from sharded_operator.run.reconcile import Context, Snapshot, owned, reconcile
+from sharded_operator.run.reconcile import Context, Snapshot, reconcile
+from sharded_operator.run.watched import JobKey, NoDiffBase, job_body, snapshot
 from sharded_operator.run.workqueue import WorkQueue
 from sharded_operator.settings import OperatorSettings
 
@@ -51,7 +52,6 @@ RETRY_SECONDS = (1.0, 60.0)
 # machine's CPUs, not the pod's) so that the connection pool can be sized to match.
 API_THREADS = 16
 
-JobKey = tuple[str, str]  # (namespace, name)
 
 
 def _now() -> dt.datetime:
@@ -78,53 +78,6 @@ async def node_jobs(namespace: str, labels: kopf.Labels, spec: kopf.Spec, **_: A
     """The jobs with a pod on each node: those to look at when the node's readiness changes."""
     node = spec.get("nodeName")
     return {node: (namespace, labels[LABEL_JOB])} if node and not SETTINGS.ignores(namespace) else None
-
-
-def _job(index: kopf.Index, key: JobKey) -> dict[str, Any] | None:
-    """The job as the watch last showed it (the one not being deleted, if two share the name)."""
-    views: list[JobView] = list(index.get(key, ()))
-    return next((v for v in views if not v.deleting), views[0]).body() if views else None
-
-
-def snapshot(ctx: Context, index: kopf.Memo, key: JobKey) -> Snapshot | None:
-    """The job `key` as the indexes show it, with this operator's writes the watch has not shown yet."""
-    body = _job(index.jobs, key)
-    if body is None:
-        return None
-    uid = body["metadata"]["uid"]
-    status = ctx.recent.status(uid, body.get("status") or {}, owned)
-    # The version a decision is written over: that of this operator's own status write while the watch lags.
-    meta = {**body["metadata"], "resourceVersion": ctx.recent.version(uid, body["metadata"].get("resourceVersion"))}
-    body = {**body, "metadata": meta, "status": status}
-    pods = ctx.recent.pods(f"{key[0]}/{key[1]}", list(index.job_pods.get(key, ())))
-    on = {p.node for p in pods if p.node}
-    nodes = {n: v for n in on if (v := index.nodes.get(n)) is not None}
-    # A node neither listed nor seen deleted may be one the watch has not reported yet (a backoff, a relist,
-    # a dead connection not noticed): reconcile asks the API server before anything is declared lost.
-    unconfirmed = frozenset(n for n in on if n not in nodes and n not in index.nodes_gone)
-    ports: frozenset[int] = frozenset()
-    if ((body.get("spec") or {}).get("network") or {}).get("hostNetwork") and "hostPort" not in body["status"]:
-        ports = frozenset(
-            j.host_port for store in index.jobs.values() for j in store
-            if j.host_port is not None and j.phase not in FINISHED
-        )  # fmt: skip
-    return Snapshot(body=body, pods=pods, nodes=nodes, host_ports=ports, unconfirmed=unconfirmed)
-
-
-class NoDiffBase(kopf.DiffBaseStorage):
-    """No last-handled state. kopf builds one for every event of every watched object (a deep copy of the
-    body, status included) to give on.create/on.update handlers their diffs; this operator has none (its
-    handlers are events and indexes), and the copies were about a fifth of its busy time while 300 jobs
-    started at once (bench/results/operator-scale-profile)."""
-
-    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
-        return kopf.BodyEssence()
-
-    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
-        return kopf.BodyEssence()
-
-    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
-        pass
 
 
 # --- the loops ---------------------------------------------------------------------------------------
@@ -313,7 +266,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     pool = ThreadPoolExecutor(cfg.reconcile_workers, thread_name_prefix="reconcile")
     ctx.creators = ThreadPoolExecutor(2 * cfg.reconcile_workers, thread_name_prefix="create")
     memo.looks = looks = Looks()
-    desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: _job(jobs, (ns, name)))
+    desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: job_body(jobs, (ns, name)))
     memo.runners = [
         await web.start(web.metrics_app(ctx.metrics, ctx.health), cfg.http_host, cfg.http_port),
         await web.start(web.progress_app(desk.take, guard=(guard := web.ConnectionGuard())), cfg.http_host,

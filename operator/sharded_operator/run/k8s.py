@@ -3,86 +3,34 @@
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import json
 import logging
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from typing import Any
 
 from sharded_operator.api.models import GROUP, KIND, PLURAL, VERSION, training_pods
+from sharded_operator.run.apicalls import (
+    Expired,
+    Malformed,
+    MissingAPI,
+    Refused,
+    Stale,
+    Written,
+    api_of,
+    path,
+    resource_of,
+    retrying,
+    stream_lines,
+)
 from sharded_operator.run.transport import ApiError, Transport, in_a_cluster, load
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-_TRANSIENT = {429, 500, 502, 503, 504}
 _JOBS = f"apis/{GROUP}/{VERSION}"
 # The collection each kind of child is created in (a PodGroup's group and version come from the object).
 _RESOURCES = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
               "PersistentVolumeClaim": "persistentvolumeclaims", "PodGroup": "podgroups"}  # fmt: skip
-
-
-def retrying(fn: Callable[..., T]) -> Callable[..., T]:
-    """Retry throttling, server errors and dropped connections with exponential backoff."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        delay = 0.2
-        for attempt in range(5):
-            try:
-                return fn(*args, **kwargs)
-            except ApiError as e:
-                if e.status not in _TRANSIENT or attempt == 4:
-                    raise
-            except OSError:  # connection reset / refused while the API server restarts (Unreachable)
-                if attempt == 4:
-                    raise
-            time.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
-
-    return wrapper
-
-
-def resource_of(url: str) -> str:
-    """The resource (and subresource) a request URL names: pods, shardedtrainingjobs/status, leases..."""
-    parts = urlsplit(url).path.strip("/").split("/")
-    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
-    if rest[:1] == ["namespaces"] and len(rest) >= 3:
-        rest = rest[2:]
-    if not rest:
-        return "-"
-    return f"{rest[0]}/{rest[2]}" if len(rest) > 2 else rest[0]
-
-
-def path(api: str, namespace: str | None, resource: str, name: str | None = None, sub: str | None = None) -> str:
-    """/api/v1/namespaces/ns/pods/name/log: `api` is "api/v1" or "apis/<group>/<version>"."""
-    parts = [api, *(("namespaces", namespace) if namespace else ()), resource, *((name,) if name else ()),
-             *((sub,) if sub else ())]  # fmt: skip
-    return "/" + "/".join(parts)
-
-
-def _api_of(api_version: str) -> str:
-    return "api/v1" if api_version == "v1" else f"apis/{api_version}"
-
-
-def _lines(response: Any) -> Iterator[bytes]:
-    """A streamed response line by line as it arrives, its connection released at the end."""
-    try:
-        pending = b""
-        for chunk in response.stream(65536):
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            yield from lines
-        if pending:
-            yield pending
-    finally:
-        response.release_conn()
-
 
 class Kube:
     """Typed access to the objects a job owns. Plain dicts in, plain dicts out, as the API server sends them
@@ -137,14 +85,14 @@ class Kube:
         return self.http.json("PATCH", path(_JOBS, namespace, PLURAL, name), body={"spec": spec},
                               content_type="application/merge-patch+json")  # fmt: skip
 
-    def pod_log_lines(self, namespace: str, pod: str, *, follow: bool, tail: int | None = None):
+    def pod_logstream_lines(self, namespace: str, pod: str, *, follow: bool, tail: int | None = None):
         """The pod's container log through the API server (which asks the node's kubelet), line by line;
         with `follow`, until the container ends."""
         resp = self.http.request(
             "GET", path("api/v1", namespace, "pods", pod, "log"),
             query={"follow": "true" if follow else None, "tailLines": tail}, timeout=None,
         )  # fmt: skip
-        yield from (line.decode(errors="replace") for line in _lines(resp))
+        yield from (line.decode(errors="replace") for line in stream_lines(resp))
 
     def _streams(self) -> Any:
         """The `kubernetes` package's client, for the WebSocket streams only (exec, port-forward: the CLI,
@@ -225,7 +173,7 @@ class Kube:
             if e.status == 410:
                 raise Expired(e.reason) from e
             raise
-        for line in _lines(resp):
+        for line in stream_lines(resp):
             if not line.strip():
                 continue
             try:
@@ -249,7 +197,7 @@ class Kube:
         if kind not in _RESOURCES:
             raise ValueError(f"unsupported kind {kind}")
         try:
-            return self.http.json("POST", path(_api_of(obj["apiVersion"]), namespace, _RESOURCES[kind]), body=obj)
+            return self.http.json("POST", path(api_of(obj["apiVersion"]), namespace, _RESOURCES[kind]), body=obj)
         except ApiError as e:
             if e.status == 409:
                 return None
@@ -411,43 +359,3 @@ class Kube:
             },
         }  # fmt: skip
         self.http.send("POST", path("apis/events.k8s.io/v1", meta["namespace"], "events"), body=body)
-
-
-@dataclass(frozen=True)
-class Written:
-    """A status write that landed, and the job's resourceVersion after it (None if the response had none)."""
-
-    resource_version: str | None
-
-
-class Stale(RuntimeError):
-    """A decision's status write refused: the job changed since the version it was decided from."""
-
-
-class Expired(RuntimeError):
-    """A watch's resourceVersion is older than the API server keeps (410 Gone): list again."""
-
-
-class Malformed(ValueError):
-    """A watch event that cannot be read. Resuming from the same version would bring it back each time:
-    list again, from a newer version."""
-
-
-class MissingAPI(RuntimeError):
-    """An API the job asks for (e.g. a PodGroup CRD) does not exist in the cluster."""
-
-
-class Refused(RuntimeError):
-    """The API server refused to create a child: Pod Security, a quota, a webhook, an invalid object."""
-
-    def __init__(self, kind: str, name: str, reason: str, message: str):
-        super().__init__(f"{kind} {name}: {message}")
-        self.kind, self.name, self.reason, self.message = kind, name, reason, message
-
-    @classmethod
-    def from_api(cls, kind: str, name: str, e: ApiError) -> Refused:
-        try:
-            status = json.loads(e.body or "{}")
-        except ValueError:
-            status = {}
-        return cls(kind, name, status.get("reason") or e.reason or str(e.status), status.get("message") or str(e))

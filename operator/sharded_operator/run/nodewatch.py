@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sharded_operator.decide.views import NodeView
-from sharded_operator.run.k8s import Expired, Kube, Malformed
+from sharded_operator.run.apicalls import Expired, Malformed
+from sharded_operator.run.k8s import Kube
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from sharded_operator.decide.plan import record_refusal, set_phase
 from sharded_operator.decide.progress import REPORT_FIELDS
 from sharded_operator.decide.views import NodeView, Observed, PodView, controller_uid
 from sharded_operator.render import children, names, podgroup, podspec, rendezvous
+from sharded_operator.run.apicalls import MissingAPI, Refused, Stale
 from sharded_operator.run.election import Hearing, Leadership
-from sharded_operator.run.k8s import ApiError, Kube, MissingAPI, Refused, Stale
+from sharded_operator.run.k8s import ApiError, Kube
 from sharded_operator.run.recent import Recent
 from sharded_operator.run.web import Health, Metrics
 from sharded_operator.settings import OperatorSettings

@@ -79,10 +79,10 @@ test-unit: setup
 	@$(PY) -m pytest -v -m "not integration and not trainer and not e2e"
 
 cluster-up: setup binaries
-	@$(PY) hack/localcluster.py up --dir .cluster >/dev/null
+	@PYTHONPATH=hack $(PY) -m localstack.cluster up --dir .cluster >/dev/null
 
 cluster-down: setup
-	@$(PY) hack/localcluster.py down --dir .cluster
+	@PYTHONPATH=hack $(PY) -m localstack.cluster down --dir .cluster
 
 demo: setup binaries
 	@PYTHONPATH=hack $(PY) hack/demo.py $(ARGS)

@@ -56,8 +56,8 @@ sys.path.insert(0, str(ROOT / "hack"))
 
 from kubernetes import client, config  # noqa: E402
 
-import localcluster  # noqa: E402
-from localstack import OperatorProcess, install_crd  # noqa: E402
+from localstack import cluster as localcluster  # noqa: E402
+from localstack.stack import OperatorProcess, install_crd  # noqa: E402
 from sharded_operator.api.models import GROUP, LABEL_JOB, PLURAL, VERSION, ShardedTrainingJob  # noqa: E402
 from sharded_operator.render import podspec, rendezvous  # noqa: E402
 from sharded_operator.settings import OperatorSettings  # noqa: E402

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
 
-    from localstack import LocalStack
+    from localstack.stack import LocalStack
 
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="sharded-recovery-")), nodes=3).start()
     results = []

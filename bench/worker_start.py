@@ -61,7 +61,7 @@ def marks(log: str, after: float) -> dict[str, float]:
 
 def arm(start: str, procs: int, workdir: Path) -> dict:
     from helpers.torchrun_jobs import write_config
-    from localcluster import free_port
+    from localstack.cluster import free_port
     from sharded_api.contract import PodEnv
     from sharded_trainer.checkpoint.manager import committed_steps
     from sharded_trainer.launch import children, workers

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-import localcluster
-from localstack import ROOT, LocalStack
-from nodeagent import can_isolate
+from localstack.nodeagent import can_isolate
+from localstack.processes import stop_dir
+from localstack.stack import ROOT, LocalStack
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
 from sharded_operator.api.status import FINISHED, Phase, Progress, ShardedTrainingJobStatus
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     workdir = ROOT / ".cluster"
-    localcluster.stop_dir(workdir)
+    stop_dir(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     job = yaml.safe_load(Path(args.example).read_text())
     if args.containers:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import localcluster
-from localstack import CRD_FILE, OperatorProcess, install_crd
+from localstack import cluster as localcluster
+from localstack.stack import CRD_FILE, OperatorProcess, install_crd
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,9 +16,9 @@ import pytest
 
 from helpers.e2ejobs import NS, Jobs, cleanup, job
 from helpers.torchrun_jobs import write_config
-from localstack import LocalStack
-from nodeagent import can_isolate
-from podcontainers import container_name, sandbox_name
+from localstack.containers import container_name, sandbox_name
+from localstack.nodeagent import can_isolate
+from localstack.stack import LocalStack
 from sharded_trainer.checkpoint.manager import committed_steps
 
 pytestmark = [

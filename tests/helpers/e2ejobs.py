@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import wait_for
-from localstack import LocalStack
+from localstack.stack import LocalStack
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
 from sharded_trainer.checkpoint.manager import committed_steps
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from localcluster import free_port
+from localstack.cluster import free_port
 from manifests import mutate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import localcluster
 from conftest import wait_for
 from jobs import make_job
-from localstack import OperatorProcess
+from localstack import cluster as localcluster
+from localstack.stack import OperatorProcess
 from reports import mint, post
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import localcluster
 from conftest import wait_for
 from jobs import make_job
-from localstack import OperatorProcess, install_crd
+from localstack import cluster as localcluster
+from localstack.stack import OperatorProcess, install_crd
 from reports import mint, post
 from sharded_operator.api.models import GROUP, PLURAL, VERSION, training_pods
 from sharded_operator.run.election import LEASE_SECONDS

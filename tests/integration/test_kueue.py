@@ -14,7 +14,7 @@ from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
 from jobs import make_job
-from localkueue import MANAGED_LABEL, LocalKueue, can_run
+from localstack.kueue import MANAGED_LABEL, LocalKueue, can_run
 from sharded_operator.api.models import GROUP, PLURAL, VERSION, training_pods
 
 pytestmark = [

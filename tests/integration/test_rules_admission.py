@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from quantities import QUANTITIES
 from rule_cases import rule_cases
 
-from localstack import install_crd
+from localstack.stack import install_crd
 from manifests import load_example, mutate
 from sharded_api.loading import format_validation_error
 from sharded_api.quantity import is_quantity

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers.torchrun_jobs import ROOT, write_config
-from localcluster import free_port
+from localstack.cluster import free_port
 from sharded_api.contract import ExitCode, PodEnv
 from sharded_trainer.agent import helper
 from sharded_trainer.checkpoint.manager import committed_steps

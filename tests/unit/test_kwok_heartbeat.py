@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-import localcluster
+from localstack import cluster as localcluster
 
 
 def stages(path) -> dict[str, dict]:

@@ -1,4 +1,4 @@
-"""Port-forward's and exec's inputs: the node agent's framing (hack/kubeletserver.py), fed frames as a client
+"""Port-forward's and exec's inputs: the node agent's framing (hack/localstack/kubelet.py), fed frames as a client
 sends them (masked, fragmented, interleaved with pings, split across reads, and hostile: oversized, on the
 server's channels), the ports a request names, the ports `sharded port-forward` is given, and exec run for
 real over a socket pair: output channels, stdin, the exit Status, hostile requests and a client that leaves."""
@@ -13,7 +13,8 @@ import threading
 
 import pytest
 
-from kubeletserver import MAX_COMMAND, MAX_FRAME, Exec, Forward, exec_request
+from localstack.kubelet import MAX_COMMAND, exec_request
+from localstack.streams import MAX_FRAME, Exec, Forward
 
 
 class Sink:

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import yaml
 
-import localcluster
-from nodeagent import GATEWAY, NodeAgent
+from localstack import cluster as localcluster
+from localstack.nodeagent import NodeAgent
+from localstack.podstart import GATEWAY
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "training.sharded.dev_shardedtrainingjobs.yaml"
 
 
@@ -100,7 +101,7 @@ class LocalStack:
 
     def __init__(self, workdir: Path, nodes: int = 2, containers: bool = False):
         self.workdir = workdir
-        self.containers = containers  # pods run from their images through docker (hack/podcontainers.py)
+        self.containers = containers  # pods run from their images through docker (localstack.containers)
         self.cluster = localcluster.LocalCluster(workdir=workdir, bin_dir=localcluster.binaries_dir(), gpu_nodes=0)
         self.nodes = nodes
         self.agent: NodeAgent | None = None

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-import localcluster
-from localstack import install_crd
+from localstack import cluster as localcluster
+from localstack.stack import install_crd
 
 MANAGED_LABEL = "kueue-managed"
 METRICS_CERTS = "/etc/kueue/metrics/certs"

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "hack"))
+sys.path[:0] = [str(ROOT / "hack"), str(ROOT / "tests")]  # the local stack; the job factory
 
 from kubernetes import client, config  # noqa: E402
 
@@ -61,6 +61,7 @@ from localstack.stack import OperatorProcess, install_crd  # noqa: E402
 from sharded_operator.api.models import GROUP, LABEL_JOB, PLURAL, VERSION, ShardedTrainingJob  # noqa: E402
 from sharded_operator.render import podspec, rendezvous  # noqa: E402
 from sharded_operator.settings import OperatorSettings  # noqa: E402
+from support.jobs import make_job  # noqa: E402
 
 PODS_PER_JOB = 9  # 8 training pods and the rendezvous store pod
 THREADS = 16
@@ -68,10 +69,7 @@ CHECKPOINTS = (100, 250, 500, 1000)
 
 
 def job_body(name: str) -> dict:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ShardedTrainingJob", "metadata": {"name": name},
-        "spec": {"image": "trainer:bench", "nodes": 8, "resources": {"gpusPerNode": 1}, "trainer": {"steps": 10}},
-    }  # fmt: skip
+    return make_job(name).image("trainer:bench").nodes(8).gpus(1).manifest()
 
 
 def raw_pods(name: str, namespace: str, service: bool = False) -> list[dict]:

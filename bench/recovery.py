@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "hack"))
+sys.path[:0] = [str(ROOT / "hack"), str(ROOT / "tests")]  # the local stack; the job factory
 
 PHASES = ["detect", "delete", "schedule", "start", "rendezvous", "load", "first step"]
 NS = "default"
@@ -84,28 +84,15 @@ def trainer_marks(log: str, after: float) -> dict[str, float]:
 
 
 def job(name: str, in_place: bool) -> dict:
-    from sharded_operator.api.models import GROUP, VERSION
+    from support.jobs import local_cpu_job
 
     # Enough in-place restarts for every fault of every repeat in one attempt (each costs every surviving
     # agent one); the gang mode has none, as by default.
     restarts = 20 if in_place else 0
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "ShardedTrainingJob",
-        "metadata": {"name": name},
-        "spec": {
-            "image": "sharded-training/trainer:0.1.0",
-            "nodes": 2,
-            "procsPerNode": 2,
-            "strategy": {"type": "fsdp"},
-            "trainer": {"model": {"preset": "tiny"}, "steps": 1_000_000, "microBatchSize": 4, "seqLen": 64,
-                        "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 1},
-            "resources": {"cpu": 1, "memory": "2Gi"},
-            "checkpoint": {"volumeClaim": {"size": "1Gi"}, "interval": 5, "keepLast": 2},
-            "failurePolicy": {"backoffLimit": 20, "nodeLostSeconds": NODE_LOST_SECONDS, "inPlaceRestarts": restarts},
-            "runPolicy": {"terminationGraceSeconds": 10},
-        },
-    }  # fmt: skip
+    b = local_cpu_job(name, steps=1_000_000).spec("trainer.logEvery", 1)
+    b = b.spec("checkpoint", {"volumeClaim": {"size": "1Gi"}, "interval": 5, "keepLast": 2})
+    b = b.spec("failurePolicy", {"backoffLimit": 20, "nodeLostSeconds": NODE_LOST_SECONDS, "inPlaceRestarts": restarts})
+    return b.spec("runPolicy", {"terminationGraceSeconds": 10}).manifest()
 
 
 class Bench:

@@ -60,11 +60,11 @@ def marks(log: str, after: float) -> dict[str, float]:
 
 
 def arm(start: str, procs: int, workdir: Path) -> dict:
-    from helpers.torchrun_jobs import write_config
     from localstack.cluster import free_port
     from sharded_api.contract import PodEnv
     from sharded_trainer.checkpoint.manager import committed_steps
     from sharded_trainer.launch import children, workers
+    from support.torchrun_jobs import write_config
 
     directory = workdir / f"{start}-{uuid.uuid4().hex[:6]}"
     config = write_config(directory, steps=1_000_000, **{"checkpoint.interval": 5})

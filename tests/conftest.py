@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 # The per-tier time table printed at the end of every run, and the floor under the collected tests.
-pytest_plugins = ["helpers.suite_clock"]
+pytest_plugins = ["support.suite_clock"]
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +115,7 @@ def world4_run(tmp_path_factory):
     """For the trainer tier's modules (each torchrun launch costs tens of seconds on 2 cores): an
     uninterrupted 2x2 run of 20 steps per strategy (micro-batch 4, global batch 16), checkpointing at 10 and
     20, made once per strategy and shared: (strategy, directory, config, run)."""
-    from helpers.torchrun_jobs import run_job, write_config
+    from support.torchrun_jobs import run_job, write_config
 
     made: dict = {}
 

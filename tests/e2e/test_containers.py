@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers.e2ejobs import NS, Jobs, cleanup, job
-from helpers.torchrun_jobs import write_config
 from localstack.containers import container_name, sandbox_name
 from localstack.nodeagent import can_isolate
 from localstack.stack import LocalStack
 from sharded_trainer.checkpoint.manager import committed_steps
+from support.e2e import NS, Jobs, cleanup, job
+from support.torchrun_jobs import write_config
 
 pytestmark = [
     pytest.mark.e2e,

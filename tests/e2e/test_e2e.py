@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from helpers.e2ejobs import NS, Jobs, cleanup, job
-from helpers.torchrun_jobs import live_members
 from localstack.nodeagent import can_isolate
 from localstack.stack import LocalStack
 from sharded_api.contract import MARKER, step_dir_name
 from sharded_operator.api.models import ANNOTATION_CREATED_BY
+from support.e2e import NS, Jobs, cleanup, job
+from support.torchrun_jobs import live_members
 
 pytestmark = [
     pytest.mark.e2e,

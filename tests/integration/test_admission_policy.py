@@ -12,9 +12,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from conftest import ROOT, wait_for
-from jobs import make_job
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
 from sharded_operator.api.overrides import ROWS, Allow, outside
+from support.jobs import make_job
 
 pytestmark = pytest.mark.integration
 CHART = ROOT / "charts" / "sharded-training-operator"

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 from kubernetes.client.rest import ApiException
 
-from manifests import DELETE, EXAMPLES, MALFORMED, load_example, mutate
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
+from support.manifests import DELETE, EXAMPLES, MALFORMED, load_example, mutate
 
 pytestmark = pytest.mark.integration
 

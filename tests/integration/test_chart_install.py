@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from jobs import make_job
 from localstack import cluster as localcluster
 from localstack.stack import OperatorProcess
-from reports import mint, post
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
+from support.jobs import make_job
+from support.reports import mint, post
 
 pytestmark = pytest.mark.integration
 CHART = Path(__file__).resolve().parents[2] / "charts" / "sharded-training-operator"

@@ -11,9 +11,9 @@ import sys
 import pytest
 import yaml
 
-from jobs import make_job
 from sharded_operator.client import Client, JobError
 from sharded_operator.run.k8s import Kube
+from support.jobs import make_job
 
 pytestmark = pytest.mark.integration
 

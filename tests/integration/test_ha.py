@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from jobs import make_job
 from localstack import cluster as localcluster
 from localstack.stack import OperatorProcess, install_crd
-from reports import mint, post
 from sharded_operator.api.models import GROUP, PLURAL, VERSION, training_pods
 from sharded_operator.run.election import LEASE_SECONDS
+from support.jobs import make_job
+from support.reports import mint, post
 
 pytestmark = pytest.mark.integration
 LEASE = "sharded-operator"
@@ -184,7 +184,7 @@ def test_a_slow_holder_with_a_skewed_clock_and_its_successor_never_act_at_once(a
     from kubernetes import client
     from test_operator import Ops
 
-    from helpers.slow_proxy import SlowProxy
+    from support.slow_proxy import SlowProxy
 
     cluster, core, custom, ha_namespace = audited
     coordination, ops = client.CoordinationV1Api(core.api_client), Ops(core, custom, ha_namespace)
@@ -196,7 +196,7 @@ def test_a_slow_holder_with_a_skewed_clock_and_its_successor_never_act_at_once(a
     settings = {"NAMESPACES": ha_namespace, "LEASE_NAME": LEASE, "LEASE_NAMESPACE": ha_namespace,
                 "RESTART_GRACE_SECONDS": "3", "IGNORE_NAMESPACES": "kube-system", "LOG_FORMAT": "json"}  # fmt: skip
     a = OperatorProcess(slow_kubeconfig, tmp_path / "a.log", IDENTITY="replica-a", **settings)
-    a.command = [sys.executable, str(Path(__file__).parents[1] / "helpers" / "skewed_operator.py")]
+    a.command = [sys.executable, str(Path(__file__).parent / "scripts" / "skewed_operator.py")]
     a.env["SKEW_SECONDS"] = "-10"
     b = OperatorProcess(cluster.kubeconfig, tmp_path / "b.log", IDENTITY="replica-b", **settings)
     try:

@@ -13,9 +13,9 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
-from jobs import make_job
 from localstack.kueue import MANAGED_LABEL, LocalKueue, can_run
 from sharded_operator.api.models import GROUP, PLURAL, VERSION, training_pods
+from support.jobs import make_job
 
 pytestmark = [
     pytest.mark.integration,

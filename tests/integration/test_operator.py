@@ -13,7 +13,6 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
-from jobs import make_job
 from sharded_api.contract import iso
 from sharded_operator.api.models import (
     ANNOTATION_CREATED_BY,
@@ -24,6 +23,7 @@ from sharded_operator.api.models import (
     VERSION,
     training_pods,
 )
+from support.jobs import make_job
 
 pytestmark = pytest.mark.integration
 

@@ -90,11 +90,11 @@ def test_a_node_the_watch_has_not_reported_is_asked_for_before_it_is_declared_lo
     at all yet: absence from the index is never taken for a deletion."""
     import logging
 
-    from jobs import make_job
     from sharded_operator.decide.lifecycle import decide
     from sharded_operator.decide.views import Observed, PodView
     from sharded_operator.run.reconcile import Context, Snapshot, confirmed
     from sharded_operator.settings import OperatorSettings
+    from support.jobs import make_job
 
     name = "nodewatch-unreported"
     cluster.add_gpu_node(name)

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import wait_for
-from jobs import make_job
-from reports import mint, post
 from sharded_api.contract import MAX_REPORT_BYTES
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
+from support.jobs import make_job
+from support.reports import mint, post
 
 pytestmark = pytest.mark.integration
 CKPT = {"step": 30, "path": "/checkpoints/step-00000030", "time": "2026-01-01T00:00:00Z"}

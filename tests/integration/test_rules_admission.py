@@ -8,14 +8,14 @@ import json
 import pytest
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
-from quantities import QUANTITIES
-from rule_cases import rule_cases
 
 from localstack.stack import install_crd
-from manifests import load_example, mutate
 from sharded_api.loading import format_validation_error
 from sharded_api.quantity import is_quantity
 from sharded_operator.api.models import GROUP, PLURAL, VERSION, ShardedTrainingJob
+from support.manifests import load_example, mutate
+from support.quantities import QUANTITIES
+from support.rule_cases import rule_cases
 
 pytestmark = pytest.mark.integration
 CASES = rule_cases()

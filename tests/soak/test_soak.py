@@ -23,8 +23,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from jobs import make_job
 from sharded_operator.api.models import GROUP, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
+from support.jobs import make_job
 
 pytestmark = pytest.mark.soak
 ROUNDS = 5

@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from helpers.architectures import check
-from helpers.torchrun_jobs import ROOT
+from support.architectures import check
+from support.torchrun_jobs import ROOT
 
 pytestmark = pytest.mark.trainer
 RECORD = ROOT / "tests" / "architectures.json"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers.torchrun_jobs import ROOT, run_job, write_config
+from support.torchrun_jobs import ROOT, run_job, write_config
 
 pytestmark = pytest.mark.trainer
 DS = {"DS_ACCELERATOR": "cpu"}

@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
-from helpers.torchrun_jobs import ROOT, run_job, write_config
 from sharded_api.contract import CORRUPT_INFIX, MARKER, TRAINER_STATE
 from sharded_trainer.checkpoint.durability import checksum, rng_file
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
+from support.torchrun_jobs import SCRIPTS, run_job, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -69,7 +69,7 @@ def test_a_resume_walks_past_every_damaged_checkpoint_to_the_newest_sound_one(si
     (leftover / "rng").mkdir(parents=True)
     (leftover / rng_file(0)).write_bytes(b"half")
 
-    run = run_job(tmp, config, script=[str(ROOT / "tests" / "helpers" / "skewed_view.py")])
+    run = run_job(tmp, config, script=[str(SCRIPTS / "skewed_view.py")])
     assert run.returncodes == [0, 0], run.output[-4000:]
     assert run.event("resumed")["step"] == 10
     # Rank 0 chose for all: ranks shown an older "newest" still loaded the same step.

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.torchrun_jobs import ROOT, run_job, run_many, stop_at_step, write_config
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
+from support.torchrun_jobs import ROOT, SCRIPTS, run_job, run_many, stop_at_step, write_config
 from tinyhf import ARCHITECTURES, LORA_ARCHITECTURES, answer, greedy_answer, write_chat_data, write_model
 
 pytestmark = pytest.mark.trainer
@@ -154,7 +154,7 @@ def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_ad
     assert weights and all(".lora_" in k for k in weights), weights[:5]
 
     out = tmp_path / "nf4.json"
-    probe = run_job(tmp_path, config, script=[str(ROOT / "tests" / "helpers" / "nf4_probe.py"), "--out", str(out)])
+    probe = run_job(tmp_path, config, script=[str(SCRIPTS / "nf4_probe.py"), "--out", str(out)])
     assert probe.returncodes == [0, 0], probe.output[-3000:]
     found = json.loads(out.read_text())
     assert len(found["weights"]) == 14 and found["world"] == 4
@@ -319,7 +319,7 @@ def matrix_overrides(arch: str, strategy: str, lora: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def matrix(claim, tmp_path_factory):
-    """Every run of MATRIX in one launch (tests/helpers/train_many.py); each run's metrics by its settings."""
+    """Every run of MATRIX in one launch (tests/trainer/scripts/train_many.py); each run's metrics by its settings."""
     tmp = tmp_path_factory.mktemp("matrix")
     configs = [
         finetune_config(tmp / "-".join(map(str, combo)), claim, combo[0], **matrix_overrides(*combo))

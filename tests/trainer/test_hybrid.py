@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from helpers.torchrun_jobs import run_job, write_config
 from sharded_api.loading import load_config
 from sharded_trainer.checkpoint.export import load_model_state
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
+from support.torchrun_jobs import SCRIPTS, run_job, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -58,9 +58,9 @@ def test_every_prefetch_value_sets_a_different_plan(tmp_path):
     import subprocess
     import sys
 
-    from helpers.torchrun_jobs import ROOT
+    from support.torchrun_jobs import ROOT
 
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "prefetch_plan.py")],
+    out = subprocess.run([sys.executable, str(SCRIPTS / "prefetch_plan.py")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PLAN ")), None)
     assert line, out.stdout[-2000:] + out.stderr[-3000:]

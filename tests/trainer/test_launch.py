@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers.torchrun_jobs import ROOT, write_config
 from localstack.cluster import free_port
 from sharded_api.contract import ExitCode, PodEnv
 from sharded_trainer.agent import helper
 from sharded_trainer.checkpoint.manager import committed_steps
 from sharded_trainer.launch import children, workers
 from sharded_trainer.train import STOP_AGREE_SECONDS
+from support.torchrun_jobs import ROOT, SCRIPTS, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -100,7 +100,7 @@ def test_sigterm_while_waiting_for_the_rendezvous_ends_the_wait_at_once(tmp_path
 def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path, store_port):
     """torchrun kills its workers 30 s after its own SIGTERM; the launcher tells torchrun only once they are done."""
     config = write_config(tmp_path)
-    script = [str(ROOT / "tests" / "helpers" / "slow_stop.py"), "--out", str(tmp_path)]
+    script = [str(SCRIPTS / "slow_stop.py"), "--out", str(tmp_path)]
     proc = launch(config, one_node(store_port), script)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(tmp_path.glob("started-*"))) < 2:

@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from helpers.torchrun_jobs import HELPERS, run_job, run_many, write_config
 from images import CACHE
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
+from support.torchrun_jobs import SCRIPTS, run_job, run_many, write_config
 
 pytestmark = pytest.mark.trainer
 # Compiled runs share one Inductor cache, kept across runs and clean clones as the virtualenv is: Inductor keys
@@ -65,7 +65,7 @@ BF16 = {f"bf16-{s}": {"strategy.type": s, "precision": "bf16", "steps": 10} for 
 @pytest.fixture(scope="module")
 def runs(plain, tmp_path_factory):
     """Each option's run from the plain run's step-10 checkpoint, and the bf16 runs, by name: (directory, run,
-    Inductor cache). They share two launches (tests/helpers/train_many.py), the uncompiled runs and the
+    Inductor cache). They share two launches (tests/trainer/scripts/train_many.py), the uncompiled runs and the
     compiled ones: a launch has one environment, and the uncompiled runs get an Inductor cache of their own,
     which must stay without kernels."""
     tmp = tmp_path_factory.mktemp("options")
@@ -113,7 +113,7 @@ def test_gradients_reduced_in_bf16_travel_in_bf16_and_keep_the_trajectory(plain,
     shutil.copytree(step_dir(plain_dir / "ckpt", 10), step_dir(tmp_path / "ckpt", 10))
     config = write_config(tmp_path, **{"strategy.fsdp.reduceDtype": "bf16"})
     record = tmp_path / "reduce-dtypes"
-    script = [str(HELPERS / "record_reduce_dtype.py")]
+    script = [str(SCRIPTS / "record_reduce_dtype.py")]
     run = run_job(tmp_path, config, script=script, env={"REDUCE_DTYPES": str(record)})
     assert run.returncodes == [0, 0], run.output[-3000:]
     assert run.event("resumed")["step"] == 10

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.torchrun_jobs import ROOT, run_job, write_config
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
+from support.torchrun_jobs import SCRIPTS, run_job, write_config
 
 pytestmark = pytest.mark.trainer
 W2 = {"strategy.type": "zero2", "microBatchSize": 2, "globalBatchSize": 12, "precision": "bf16"}
-RELOAD = [str(ROOT / "tests" / "helpers" / "load_and_probe.py")]
+RELOAD = [str(SCRIPTS / "load_and_probe.py")]
 
 
 def zero2_state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from helpers.torchrun_jobs import ROOT, Run, run_job, start_agents, wait_agents, write_config
 from sharded_api.contract import MARKER, ExitCode
 from sharded_api.loading import load_config
 from sharded_trainer.checkpoint.export import export_checkpoint, load_exported, load_model_state
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
+from support.torchrun_jobs import ROOT, SCRIPTS, Run, run_job, start_agents, wait_agents, write_config
 
 pytestmark = pytest.mark.trainer
 STRATEGIES = ["fsdp", "zero2"]
@@ -41,7 +41,7 @@ def test_loss_falls_on_the_learnable_task(reference):
 
 
 def test_tensorboard_event_files_hold_every_logged_scalar(reference):
-    from helpers.tfevents import crc32c, events
+    from support.tfevents import crc32c, events
 
     assert crc32c(b"123456789") == 0xE3069283  # the reader's CRC-32C against the standard check value
     _, tmp, _, run = reference
@@ -122,7 +122,7 @@ def test_sigterm_exits_with_the_preempted_code_after_a_final_checkpoint(tmp_path
 def test_crash_during_save_leaves_the_previous_checkpoint_loadable(reference, tmp_path):
     strategy, _, _, _ = reference
     config = write_config(tmp_path, **{"strategy.type": strategy})
-    crashed = run_job(tmp_path, config, script=[str(ROOT / "tests" / "helpers" / "crash_in_save.py")])
+    crashed = run_job(tmp_path, config, script=[str(SCRIPTS / "crash_in_save.py")])
     assert crashed.returncodes != [0, 0]
     assert not step_dir(tmp_path / "ckpt", 20).exists()  # never renamed into place
     partial = next((tmp_path / "ckpt").glob("step-00000020.g*"))  # written, never committed
@@ -144,7 +144,7 @@ def test_export_matches_the_sharded_model_and_fsdp_loads_on_fewer_ranks(referenc
         tmp_path,
         config,
         nodes=nodes,
-        script=[str(ROOT / "tests" / "helpers" / "load_and_probe.py"), "--step", "20", "--out", str(probe_out)],
+        script=[str(SCRIPTS / "load_and_probe.py"), "--step", "20", "--out", str(probe_out)],
     )
     assert run.returncodes == [0] * nodes, run.output[-3000:]
     probe = torch.load(probe_out, weights_only=False)

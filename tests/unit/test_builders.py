@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from jobs import make_job
 from sharded_api.config import TrainerConfig
 from sharded_api.contract import PodEnv
 from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, LABEL_ROLE
 from sharded_operator.render import children, podgroup, podspec, rendezvous
 from sharded_operator.settings import OperatorSettings
+from support.jobs import make_job
 
 SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from jobs import make_job
 from sharded_api import contract
 from sharded_api.contract import (
     MAX_EVENTS,
@@ -25,6 +24,7 @@ from sharded_api.contract import (
 )
 from sharded_operator.render import podspec
 from sharded_operator.settings import OperatorSettings
+from support.jobs import make_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ["operator", "trainer", "hack"]

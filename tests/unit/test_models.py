@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from manifests import EXAMPLES, MALFORMED, load_example, mutate
 from sharded_api.loading import format_validation_error
 from sharded_operator.api.models import ShardedTrainingJob
+from support.manifests import EXAMPLES, MALFORMED, load_example, mutate
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

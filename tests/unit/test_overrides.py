@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs import make_job
 from sharded_operator.api import overrides
 from sharded_operator.api.overrides import ROWS, Allow, forbidden, outside
 from sharded_operator.render import podspec
 from sharded_operator.settings import OperatorSettings
+from support.jobs import make_job
 
 CASES = [(row, example) for row in ROWS for example in row.risky]
 SAFE = [(row, example) for row in ROWS for example in row.safe]

@@ -12,7 +12,6 @@ import threading
 
 import pytest
 
-from jobs import make_job
 from sharded_api.contract import ProgressReport, TrainerEventType, iso
 from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_JOB
 from sharded_operator.api.status import ShardedTrainingJobStatus
@@ -31,6 +30,7 @@ from sharded_operator.run.election import LEASE_SECONDS, RENEW_DEADLINE, Leaders
 from sharded_operator.run.intake import MAX_PENDING, Bucket, JobDesk, ProgressDesk, TTLCache
 from sharded_operator.run.web import Health, Metrics
 from sharded_operator.settings import OperatorSettings
+from support.jobs import make_job
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 CKPT_8, CKPT_9 = ({"step": n, "path": f"/checkpoints/step-{n:08d}", "time": "2026-01-01T00:00:00Z"} for n in (8, 9))

@@ -5,11 +5,11 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-from quantities import QUANTITIES
 
-from jobs import make_job
 from sharded_api.quantity import QuantityError, is_quantity, parse_quantity
 from sharded_operator.render import podspec
+from support.jobs import make_job
+from support.quantities import QUANTITIES
 
 
 def test_the_table_is_wide_enough():

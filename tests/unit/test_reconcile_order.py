@@ -8,11 +8,11 @@ import logging
 
 import pytest
 
-from jobs import make_job
 from sharded_operator.decide.views import NodeView, PodView
 from sharded_operator.run.apicalls import Stale, Written
 from sharded_operator.run.reconcile import Context, Snapshot, reconcile
 from sharded_operator.settings import OperatorSettings
+from support.jobs import make_job
 
 
 class Crash(BaseException):

@@ -7,13 +7,13 @@ import datetime as dt
 
 import pytest
 
-from jobs import make_job
 from sharded_api.contract import iso
 from sharded_operator.api.models import ShardedTrainingJob
 from sharded_operator.api.status import Progress
 from sharded_operator.decide.lifecycle import decide
 from sharded_operator.decide.plan import Plan
 from sharded_operator.decide.views import NodeView, Observed, PodView
+from support.jobs import make_job
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 GRACE = {"restart": 30, "suspend": 120}

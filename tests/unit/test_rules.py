@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from rule_cases import models_in_job, rule_cases
 
 from sharded_api.cel import At, Ctx, Has
 from sharded_api.config import TrainerConfig
@@ -12,6 +11,7 @@ from sharded_api.loading import format_validation_error
 from sharded_api.rules import Rule
 from sharded_operator.api import crdgen
 from sharded_operator.api.models import ShardedTrainingJob, ShardedTrainingJobSpec
+from support.rule_cases import models_in_job, rule_cases
 
 CASES = rule_cases()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from helpers.suite_clock import collected_counts, floor_shortfalls
+from support.suite_clock import collected_counts, floor_shortfalls
 
 
 def _items(*nodeids):

@@ -17,10 +17,10 @@ from pathlib import Path
 import yaml
 
 from localstack.cluster import free_port
-from manifests import mutate
+from support.manifests import mutate
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPERS = ROOT / "tests" / "helpers"
+SCRIPTS = ROOT / "tests" / "trainer" / "scripts"  # torchrun scripts of the trainer tier
 
 
 def write_config(directory: Path, **overrides) -> Path:
@@ -71,7 +71,7 @@ def start_agents(
     from sharded_trainer.agent import START_METHOD, torchrun_args
 
     port, run_id = free_port(), uuid.uuid4().hex[:8]
-    if script and Path(script[0]).parent == HELPERS:
+    if script and Path(script[0]).parent == SCRIPTS:
         target = ["--run-path", f"--start-method={START_METHOD}", *script]
     else:
         target = torchrun_args(script or ["-m", "sharded_trainer"])
@@ -124,13 +124,13 @@ def wait_agents(agents: list[subprocess.Popen], log_dir: Path, timeout: float = 
 
 
 def run_many(directory: Path, configs: list[Path], *, env=None, timeout: float = 600) -> list[Run]:
-    """Several configs one after another in one launch (tests/helpers/train_many.py), which pays the launch
+    """Several configs one after another in one launch (tests/trainer/scripts/train_many.py), which pays the launch
     (interpreters, imports, rendezvous) once: each run's output from rank 0's node, in the configs' order."""
     log_dir = directory / "logs"
     log_dir.mkdir(parents=True)
     listing = directory / "configs.txt"
     listing.write_text("\n".join(map(str, configs)))
-    agents = start_agents(listing, script=[str(HELPERS / "train_many.py")], log_dir=log_dir, env=env)
+    agents = start_agents(listing, script=[str(SCRIPTS / "train_many.py")], log_dir=log_dir, env=env)
     run = wait_agents(agents, log_dir, timeout)
     assert run.returncodes == [0, 0], run.output[-3000:]
     # Node 0's log, cut where rank 0 starts each run: a worker of node 0 reaches the next run's first

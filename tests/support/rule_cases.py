@@ -7,10 +7,10 @@ from typing import Any, get_origin
 
 from pydantic import BaseModel
 
-from manifests import load_example
 from sharded_api.cel import model_of
 from sharded_api.rules import Rule
 from sharded_operator.api.models import ShardedTrainingJob
+from support.manifests import load_example
 
 
 def models_in_job() -> list[tuple[str, type[BaseModel]]]:

@@ -6,31 +6,17 @@ from conftest import wait_for
 from localstack.stack import LocalStack
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
 from sharded_trainer.checkpoint.manager import committed_steps
+from support.jobs import local_cpu_job
 
 NS = "default"
 
 
 def job(name: str, strategy: str = "fsdp", steps: int = 30, **spec) -> dict:
-    body = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "ShardedTrainingJob",
-        "metadata": {"name": name},
-        "spec": {
-            "image": "sharded-training/trainer:0.1.0",
-            "nodes": 2,
-            "procsPerNode": 2,
-            "strategy": {"type": strategy},
-            "trainer": {
-                "model": {"preset": "tiny"}, "steps": steps, "microBatchSize": 4, "seqLen": 64,
-                "precision": "fp32", "optimizer": {"lr": 0.01}, "logEvery": 2,
-            },
-            "resources": {"cpu": 1, "memory": "2Gi"},
-            "checkpoint": {"volumeClaim": {"size": "1Gi"}, "interval": 10, "keepLast": 5},
-            "failurePolicy": {"backoffLimit": 2},
-            **spec,
-        },
-    }  # fmt: skip
-    return body
+    """The local CPU job (`local_cpu_job`) as submitted, with top-level spec fields replaced by `spec`."""
+    b = local_cpu_job(name, strategy, steps)
+    for key, value in spec.items():
+        b = b.spec(key, value)
+    return b.manifest()
 
 
 class Jobs:

@@ -41,268 +41,25 @@ import json
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "hack"), str(ROOT / "tests")]  # the local stack; the job factory
 
+import scale_probes as probes  # noqa: E402
 from kubernetes import client, config  # noqa: E402
 
 from localstack import cluster as localcluster  # noqa: E402
 from localstack.stack import OperatorProcess, install_crd  # noqa: E402
-from sharded_operator.api.models import GROUP, LABEL_JOB, PLURAL, VERSION, ShardedTrainingJob  # noqa: E402
-from sharded_operator.render import podspec, rendezvous  # noqa: E402
-from sharded_operator.settings import OperatorSettings  # noqa: E402
-from support.jobs import make_job  # noqa: E402
+from sharded_operator.api.models import GROUP, PLURAL, VERSION  # noqa: E402
 
-PODS_PER_JOB = 9  # 8 training pods and the rendezvous store pod
 THREADS = 16
 CHECKPOINTS = (100, 250, 500, 1000)
-
-
-def job_body(name: str) -> dict:
-    return make_job(name).image("trainer:bench").nodes(8).gpus(1).manifest()
-
-
-def raw_pods(name: str, namespace: str, service: bool = False) -> list[dict]:
-    """The pods the operator creates for job `name` (attempt 1), without the owner reference: no job owns them;
-    with `service`, its headless Service first (the pods' DNS names: what the cluster does for each pod that
-    a Service selects is part of a job's cost)."""
-    body = job_body(name)
-    body["metadata"].update(namespace=namespace, uid=f"raw-{name}")
-    body["status"] = {"attempt": 1}
-    job = ShardedTrainingJob.model_validate(body)
-    settings = OperatorSettings()
-    pods = [podspec.build_pod(job, i, 1, settings) for i in range(8)] + [podspec.build_store_pod(job, settings)]
-    for pod in pods:
-        pod["metadata"]["namespace"] = namespace
-    return [rendezvous.build_service(job), *pods] if service else pods
-
-
-class PodWatch:
-    """When each pod with a job's name label was first seen, and which pods run, from one watch of the cluster."""
-
-    def __init__(self, api: client.ApiClient):
-        self.core = client.CoreV1Api(api)
-        self.seen: dict[tuple[str, str], float] = {}
-        self.running: set[tuple[str, str]] = set()
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> PodWatch:
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        rv = None
-        while not self.stop.is_set():
-            try:
-                rv = self._watch(rv)
-            except Exception as e:  # the stream broke (or its version expired): list again, from now
-                if self.stop.is_set():
-                    return
-                print(f"[bench] pod watch restarts: {e!r}", flush=True)
-                rv = None
-                time.sleep(0.5)
-
-    def _watch(self, rv: str | None) -> str:
-        if rv is None:  # pods that exist now are seen now
-            listed = self.core.list_pod_for_all_namespaces(label_selector=LABEL_JOB)
-            now = time.monotonic()
-            with self.lock:
-                self.seen = {(p.metadata.namespace, p.metadata.name): self.seen.get(
-                    (p.metadata.namespace, p.metadata.name), now) for p in listed.items}  # fmt: skip
-                self.running = {(p.metadata.namespace, p.metadata.name) for p in listed.items
-                                if p.status.phase == "Running"}  # fmt: skip
-            rv = listed.metadata.resource_version
-        while not self.stop.is_set():
-            resp = self.core.list_pod_for_all_namespaces(
-                label_selector=LABEL_JOB, watch=True, resource_version=rv, timeout_seconds=60,
-                allow_watch_bookmarks=True, _preload_content=False,
-            )  # fmt: skip
-            pending = b""
-            for chunk in resp.stream(65536):
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                now = time.monotonic()
-                for line in lines:
-                    event = json.loads(line)
-                    meta = event["object"]["metadata"]
-                    rv = meta.get("resourceVersion", rv)
-                    if event["type"] == "BOOKMARK":
-                        continue
-                    key = (meta["namespace"], meta["name"])
-                    with self.lock:
-                        if event["type"] == "DELETED":
-                            self.seen.pop(key, None)
-                            self.running.discard(key)
-                            continue
-                        self.seen.setdefault(key, now)
-                        if (event["object"].get("status") or {}).get("phase") == "Running":
-                            self.running.add(key)
-                        else:
-                            self.running.discard(key)
-        return rv
-
-    def count(self, namespace: str) -> tuple[int, int]:
-        with self.lock:
-            return (sum(ns == namespace for ns, _ in self.seen), sum(ns == namespace for ns, _ in self.running))
-
-    def times(self, namespace: str) -> dict[str, float]:
-        with self.lock:
-            return {name: t for (ns, name), t in self.seen.items() if ns == namespace}
-
-
-def machine_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = values[3] + values[4]
-    tick = os.sysconf("SC_CLK_TCK")
-    return (sum(values) - idle) / tick, sum(values) / tick
-
-
-def process_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait(predicate, timeout: float, what: str, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise TimeoutError(f"{what} not within {timeout:.0f}s")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
-def job_latencies(submitted: dict[str, float], seen: dict[str, float]) -> list[float]:
-    """Per job: submit -> the last of its pods seen (pods are named <job>-<index> and <job>-rdzv)."""
-    last: dict[str, float] = {}
-    count: dict[str, int] = {}
-    for pod, t in seen.items():
-        job = pod.rsplit("-", 1)[0]
-        last[job], count[job] = max(last.get(job, 0.0), t), count.get(job, 0) + 1
-    return [last[j] - t0 for j, t0 in submitted.items() if count.get(j) == PODS_PER_JOB]
-
-
-def summary(arm: str, submitted: dict[str, float], seen: dict[str, float], cpu: dict | None = None) -> dict:
-    lat = job_latencies(submitted, seen)
-    span = max(seen.values()) - min(submitted.values())
-    out = {
-        "arm": arm, "jobs": len(submitted), "pods": len(seen), "seconds": round(span, 2),
-        "pods_per_s": round(len(seen) / span, 1),
-        "submit_to_all_pods_p50_s": round(percentile(lat, 0.5), 3),
-        "submit_to_all_pods_p99_s": round(percentile(lat, 0.99), 3),
-        "cpu_seconds": cpu or {},
-    }  # fmt: skip
-    print(json.dumps(out), flush=True)
-    return out
-
-
-def py_spy_top(raw: str, lines: int = 60) -> str:
-    """py-spy's raw (collapsed) stacks summed per function: the share of samples with it on the stack
-    (cumulative) and as the innermost frame (self), highest first."""
-    cum: dict[str, int] = {}
-    own: dict[str, int] = {}
-    total = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n, frames = int(count), stack.split(";")
-        total += n
-        names = [f.split(":")[0] + ")" if " (" in f else f for f in frames]  # the function, not the line
-        for name in set(names):
-            cum[name] = cum.get(name, 0) + n
-        own[names[-1]] = own.get(names[-1], 0) + n
-    out = [f"{total} samples", "", "cumulative %  function (file)"]
-    for title, counts in (("", cum), ("self %  function (file)", own)):
-        if title:
-            out += ["", title]
-        top = sorted(counts.items(), key=lambda kv: -kv[1])[:lines]
-        out += [f"{100 * v / max(total, 1):6.1f}  {k}" for k, v in top]
-    return "\n".join(out) + "\n"
-
-
-class GoProfiles:
-    """With --profile, CPU profiles of the control plane's Go processes over an arm: pprof's
-    /debug/pprof/profile on each one's HTTPS port, as the cluster's admin, in back-to-back windows of
-    `WINDOW` seconds while the arm runs (the last one runs up to a window past its end). `stop()` writes
-    `go tool pprof -top` of each process's windows, flat and cumulative, to `<arm>-<process>.txt`."""
-
-    WINDOW = 10
-    NAMES = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
-
-    def __init__(self, cluster: localcluster.LocalCluster, out: Path, arm: str):
-        self.cluster, self.out, self.arm = cluster, out, arm
-        self.done = threading.Event()
-        self.files: dict[str, list[Path]] = {name: [] for name in self.NAMES}
-        self.tls = cluster.admin_tls()
-        # The scheduler and controller-manager serve a certificate they made themselves, for themselves.
-        self.tls.check_hostname, self.tls.verify_mode = False, ssl.CERT_NONE
-        self.threads = [threading.Thread(target=self._loop, args=(n,), daemon=True) for n in self.NAMES]
-        for t in self.threads:
-            t.start()
-
-    def _loop(self, name: str) -> None:
-        url = f"https://{localcluster.HOST}:{self.cluster.secure_port(name)}/debug/pprof/profile?seconds={self.WINDOW}"
-        while not self.done.is_set():
-            path = self.out / f"{self.arm}-{name}-{len(self.files[name]):03d}.pb.gz"
-            try:
-                with urllib.request.urlopen(url, context=self.tls, timeout=self.WINDOW + 30) as resp:
-                    path.write_bytes(resp.read())
-                self.files[name].append(path)
-            except OSError as e:
-                print(f"[bench] {name}'s profile: {e}", flush=True)
-                self.done.wait(self.WINDOW)
-
-    def stop(self) -> None:
-        self.done.set()
-        for t in self.threads:
-            t.join(self.WINDOW + 40)
-        go = shutil.which("go")
-        for name, files in self.files.items():
-            if not (go and files):
-                print(f"[bench] no {name} profile summary (go on PATH: {bool(go)}, windows: {len(files)})")
-                continue
-            views = [subprocess.run([go, "tool", "pprof", "-top", *cum, "-nodecount=40", *map(str, files)],
-                                    capture_output=True, text=True).stdout for cum in ([], ["-cum"])]  # fmt: skip
-            (self.out / f"{self.arm}-{name}.txt").write_text("\n".join(views))
-
-
-class CpuMeter:
-    """CPU seconds used by each process of the stack (and the machine's busy share) between start and read:
-    where the cores went during an arm."""
-
-    def __init__(self, pids: dict[str, int]):
-        self.pids = pids
-        self.start = self._sample()
-
-    def _sample(self) -> dict[str, float]:
-        out = {name: process_cpu(pid) for name, pid in self.pids.items()}
-        out["machine_busy"], out["machine_total"] = machine_busy()
-        return out
-
-    def read(self) -> dict[str, float]:
-        now = self._sample()
-        used = {name: round(now[name] - self.start[name], 1) for name in self.pids}
-        busy = now["machine_busy"] - self.start["machine_busy"]
-        used["machine_busy_percent"] = round(100 * busy / (now["machine_total"] - self.start["machine_total"]), 1)
-        return used
 
 
 class Bench:
@@ -317,22 +74,22 @@ class Bench:
         self.api = client.ApiClient(conf)
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
-        self.watch = PodWatch(self.api).start()
+        self.watch = probes.PodWatch(self.api).start()
         self.pool = ThreadPoolExecutor(THREADS)
         self.operator: OperatorProcess | None = None
 
-    def meter(self) -> CpuMeter:
+    def meter(self) -> probes.CpuMeter:
         pids = {name: proc.pid for name, proc in self.cluster.procs.items()}
         pids["bench"] = os.getpid()
         if self.operator and self.operator.proc:
             pids["operator"] = self.operator.proc.pid
-        return CpuMeter(pids)
+        return probes.CpuMeter(pids)
 
     # --- namespaces -------------------------------------------------------------------------------
 
     def namespace(self, name: str) -> str:
         self.core.create_namespace({"metadata": {"name": name}})
-        wait(lambda: self._has_sa(name), 60, f"namespace {name}'s default ServiceAccount", 0.2)
+        probes.wait(lambda: self._has_sa(name), 60, f"namespace {name}'s default ServiceAccount", 0.2)
         return name
 
     def _has_sa(self, ns: str) -> bool:
@@ -356,10 +113,10 @@ class Bench:
 
         list(self.pool.map(delete, names))
         self.core.delete_namespace(ns)
-        wait(lambda: self.watch.count(ns)[0] == 0, 900, f"pods of {ns} gone", 2)
+        probes.wait(lambda: self.watch.count(ns)[0] == 0, 900, f"pods of {ns} gone", 2)
         # Its jobs too: an operator started for the next arm must not find jobs that lost their pods (it
         # would restart them, and be refused, in a namespace being deleted).
-        wait(lambda: not self._namespace_exists(ns), 1800, f"namespace {ns} gone", 2)
+        probes.wait(lambda: not self._namespace_exists(ns), 1800, f"namespace {ns} gone", 2)
 
     def _namespace_exists(self, ns: str) -> bool:
         try:
@@ -381,7 +138,7 @@ class Bench:
     def raw(self, ns: str, arm: str) -> dict:
         paced = arm.endswith("paced")
         names = [f"j{i:04d}" for i in range(self.jobs)]
-        bodies = {n: raw_pods(n, ns, service="services" in arm) for n in names}
+        bodies = {n: probes.raw_pods(n, ns, service="services" in arm) for n in names}
         submitted: dict[str, float] = {}
 
         def send(name: str) -> None:
@@ -401,16 +158,16 @@ class Bench:
                 futures.append(self.pool.submit(send, name))
         for f in futures:
             f.result()
-        wait(lambda: self.watch.count(ns)[0] >= self.jobs * PODS_PER_JOB, 900, "every raw pod seen", 0.2)
+        probes.wait(lambda: self.watch.count(ns)[0] >= self.jobs * probes.PODS_PER_JOB, 900, "every raw pod seen", 0.2)
         cpu = meter.read()
         if profiles:
             profiles.stop()
-        return summary(arm, submitted, self.watch.times(ns), cpu)
+        return probes.summary(arm, submitted, self.watch.times(ns), cpu)
 
     def create_jobs(self, ns: str, names: list[str], submitted: dict[str, float], paced: bool) -> None:
         def send(name: str) -> None:
             submitted[name] = time.monotonic()
-            self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job_body(name))
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, probes.job_body(name))
 
         start = time.monotonic()
         futures = []
@@ -432,22 +189,22 @@ class Bench:
             meter, sampler, profiles = self.meter(), self.sample(name), self.go_profiles(name)
             self.create_jobs(ns, names[done:mark], submitted, paced)
             window, done = names[done:mark], mark
-            wait(lambda m=mark: self.watch.count(ns)[0] >= m * PODS_PER_JOB, 900, "every pod seen", 0.2)
+            probes.wait(lambda m=mark: self.watch.count(ns)[0] >= m * probes.PODS_PER_JOB, 900, "every pod seen", 0.2)
             cpu = meter.read()
             if sampler:
                 sampler.send_signal(signal.SIGINT)  # py-spy writes what it sampled when interrupted
                 sampler.wait(60)
                 if (raw := self.profile / f"{name}.txt").exists():
-                    (self.profile / f"{name}-top.txt").write_text(py_spy_top(raw.read_text()))
+                    (self.profile / f"{name}-top.txt").write_text(probes.py_spy_top(raw.read_text()))
             if profiles:
                 profiles.stop()
             # Paced: the arrivals pause for each steady state; the span of all arrivals includes the pauses,
             # so pods/s is not comparable there (latency is).
-            result = summary(f"operator-{'paced' if paced else 'burst'}", submitted, self.watch.times(ns), cpu)
+            result = probes.summary(f"operator-{'paced' if paced else 'burst'}", submitted, self.watch.times(ns), cpu)
             if paced:  # the jobs that arrived since the last pause, alone: how latency changes with the jobs
-                lat = job_latencies({n: submitted[n] for n in window}, self.watch.times(ns))
-                windows.append({"jobs": f"{mark - len(window) + 1}-{mark}",
-                                "p50_s": round(percentile(lat, 0.5), 3), "p99_s": round(percentile(lat, 0.99), 3)})
+                lat = probes.job_latencies({n: submitted[n] for n in window}, self.watch.times(ns))
+                p50, p99 = probes.percentile(lat, 0.5), probes.percentile(lat, 0.99)
+                windows.append({"jobs": f"{mark - len(window) + 1}-{mark}", "p50_s": round(p50, 3), "p99_s": round(p99, 3)})
                 print(json.dumps(windows[-1]), flush=True)
             steady.append(self.steady_state(ns, mark))
         result["steady"] = steady
@@ -462,9 +219,9 @@ class Bench:
             return None
         return subprocess.Popen(self.py_spy(name), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def go_profiles(self, arm: str) -> GoProfiles | None:
+    def go_profiles(self, arm: str) -> probes.GoProfiles | None:
         """With --profile, the control plane's CPU profiles while the arm runs."""
-        return GoProfiles(self.cluster, self.profile, arm) if self.profile else None
+        return probes.GoProfiles(self.cluster, self.profile, arm) if self.profile else None
 
     def py_spy(self, name: str, *extra: str) -> list[str]:
         """py-spy recording the operator's stacks into the --profile folder's `name`.txt: only the thread
@@ -477,8 +234,8 @@ class Bench:
     # --- the steady state -------------------------------------------------------------------------
 
     def steady_state(self, ns: str, jobs: int) -> dict:
-        wait(lambda: self.watch.count(ns)[1] >= jobs * PODS_PER_JOB, 900, "every pod Running", 1)
-        wait(lambda: self._phases(ns).get("Running", 0) >= jobs, 900, "every job Running", 2)
+        probes.wait(lambda: self.watch.count(ns)[1] >= jobs * probes.PODS_PER_JOB, 900, "every pod Running", 1)
+        probes.wait(lambda: self._phases(ns).get("Running", 0) >= jobs, 900, "every job Running", 2)
         time.sleep(10)  # the last status writes and events of the start
         before_ops, before_api, before_cpu = self._op_requests(), self._api_requests(), self._op_cpu()
         before_counts = self._op_counts()
@@ -504,7 +261,7 @@ class Bench:
                 f.write(f"\n# steady state, {jobs} jobs, RSS {out['operator_rss_mb']} MB\n")
             size = self.memory.stat().st_size
             self.operator.proc.send_signal(signal.SIGUSR2)
-            wait(lambda: self.memory.stat().st_size > size + 200, 300, "the operator's memory dump", 1)
+            probes.wait(lambda: self.memory.stat().st_size > size + 200, 300, "the operator's memory dump", 1)
         return out
 
     def _statuses(self, ns: str) -> list[dict]:
@@ -521,93 +278,28 @@ class Bench:
         """The gang restarts of every job (none, when nothing failed)."""
         return sum(status.get("restarts") or 0 for status in self._statuses(ns))
 
-    def _metrics(self, url: str) -> list[tuple[str, float]]:
-        import urllib.request
-
-        with urllib.request.urlopen(url, timeout=10) as r:
-            lines = r.read().decode().splitlines()
-        return [(s, float(v)) for s, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))]
-
     def _op_requests(self) -> float:
         assert self.operator
-        rows = self._metrics(f"{self.operator.url}/metrics")
-        return sum(v for s, v in rows if s.startswith("sharded_api_requests_total"))
+        return probes.operator_requests(f"{self.operator.url}/metrics")
 
     def _op_counts(self) -> dict[str, float]:
         assert self.operator
-        names = {"sharded_reconcile_duration_seconds_count": "reconciles", "sharded_reconcile_skipped_total": "skipped",
-                 'sharded_watch_events_total{kind="pods"}': "pod_events", 'sharded_watch_events_total{kind="nodes"}':
-                 "node_events", 'sharded_watch_events_total{kind="jobs"}': "job_events"}  # fmt: skip
-        return {names[s]: v for s, v in self._metrics(f"{self.operator.url}/metrics") if s in names}
+        return probes.operator_counts(f"{self.operator.url}/metrics")
 
     def histogram(self) -> dict[str, float]:
         assert self.operator
-        rows = self._metrics(f"{self.operator.url}/metrics")
-        buckets = [(s, v) for s, v in rows if s.startswith("sharded_reconcile_duration_seconds_bucket")]
-        return {s.split('le="')[1].rstrip('"}'): v for s, v in buckets}
+        return probes.reconcile_histogram(f"{self.operator.url}/metrics")
 
     def _api_requests(self) -> float:
-        raw = self.cluster.api("GET", "/metrics")["raw"]
-        lines = [line for line in raw.splitlines() if line.startswith("apiserver_request_total{")]
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+        return probes.apiserver_requests(self.cluster.api("GET", "/metrics")["raw"])
 
     def _op_cpu(self) -> float:
         assert self.operator and self.operator.proc
-        return process_cpu(self.operator.proc.pid)
+        return probes.process_cpu(self.operator.proc.pid)
 
     def _op_rss(self) -> float:
         assert self.operator and self.operator.proc
-        for line in Path(f"/proc/{self.operator.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0.0
-
-
-def add_nodes(cluster: localcluster.LocalCluster, n: int) -> None:
-    print(f"[bench] adding {n} KWOK nodes of 8 GPUs", flush=True)
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: cluster.add_gpu_node(f"gpu-node-{i}"), range(n)))
-
-    def ready() -> bool:
-        nodes = cluster.api("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
-        return sum(any(c["type"] == "Ready" and c["status"] == "True" for c in (x.get("status") or {}).get(
-            "conditions") or []) for x in nodes) >= n  # fmt: skip
-
-    wait(ready, 600, f"{n} nodes Ready", 2)
-
-
-def plot(results: dict, out: Path) -> None:
-    """Steady state against the number of jobs (paced arm), and the burst and paced arms side by side.
-    Needs matplotlib, which the project itself does not depend on."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = results["arms"]
-    steady = arms["operator-paced"]["steady"]
-    jobs = [s["jobs"] for s in steady]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    left.plot(jobs, [s["operator_rss_mb"] for s in steady], "o-", label="operator RSS (MB)")
-    left.plot(jobs, [s["operator_cpu_percent"] for s in steady], "s-", label="operator CPU (% of a core)")
-    left.plot(jobs, [s["operator_requests_per_s"] * 60 for s in steady], "^-", label="operator API requests / min")
-    left.plot(jobs, [s["operator_per_s"].get("node_events", 0) / 10 for s in steady], "x--",
-              label="node watch events / s (/10)")  # fmt: skip
-    left.set_xlabel("jobs running (8 GPU pods + a store pod each), nothing changing")
-    left.set_title(f"steady state, {results['nodes']} KWOK nodes")
-    left.legend(fontsize=8)
-    names = [a for a in ("raw-burst", "raw-burst-services", "operator-burst", "raw-paced", "operator-paced")
-             if a in arms]  # fmt: skip
-    x = range(len(names))
-    right.bar([i - 0.2 for i in x], [arms[a]["submit_to_all_pods_p50_s"] for a in names], 0.4, label="p50")
-    right.bar([i + 0.2 for i in x], [arms[a]["submit_to_all_pods_p99_s"] for a in names], 0.4, label="p99")
-    right.set_yscale("log")
-    right.set_xticks(list(x), [f"{a}\n{arms[a]['pods_per_s']} pods/s" if "burst" in a else a for a in names])
-    right.set_ylabel("submit -> all pods of a job created (s)")
-    right.set_title(f"{results['jobs']} jobs: burst, and paced at {results['rate']} jobs/s")
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+        return probes.rss(self.operator.proc.pid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -640,11 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         merged = json.loads(args.replot[0].read_text())
         for more in args.replot[1:]:
             merged["arms"].update(json.loads(more.read_text())["arms"])
-        plot(merged, args.plot)
+        probes.plot(merged, args.plot)
         return 0
     arms = args.arms.split(",")
     results: dict = {"command": " ".join(["bench/operator_scale.py", *(argv or sys.argv[1:])]), "nodes": args.nodes,
-                     "jobs": args.jobs, "rate": args.rate, "pods_per_job": PODS_PER_JOB, "cpus": os.cpu_count(),
+                     "jobs": args.jobs, "rate": args.rate, "pods_per_job": probes.PODS_PER_JOB, "cpus": os.cpu_count(),
                      "arms": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         workdir = Path(tmp)
@@ -655,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start()
         try:
             install_crd(cluster.kubeconfig)
-            add_nodes(cluster, args.nodes)
+            probes.add_nodes(cluster, args.nodes)
             bench = Bench(cluster, args.jobs, args.rate, args.steady, args.profile, args.tracemalloc)
             for i, arm in enumerate(arms):
                 print(f"[bench] arm {arm}", flush=True)
@@ -695,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if args.plot:
-        plot(results, args.plot)
+        probes.plot(results, args.plot)
     return 0
 
 

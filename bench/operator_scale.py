@@ -204,7 +204,8 @@ class Bench:
             if paced:  # the jobs that arrived since the last pause, alone: how latency changes with the jobs
                 lat = probes.job_latencies({n: submitted[n] for n in window}, self.watch.times(ns))
                 p50, p99 = probes.percentile(lat, 0.5), probes.percentile(lat, 0.99)
-                windows.append({"jobs": f"{mark - len(window) + 1}-{mark}", "p50_s": round(p50, 3), "p99_s": round(p99, 3)})
+                first = mark - len(window) + 1
+                windows.append({"jobs": f"{first}-{mark}", "p50_s": round(p50, 3), "p99_s": round(p99, 3)})
                 print(json.dumps(windows[-1]), flush=True)
             steady.append(self.steady_state(ns, mark))
         result["steady"] = steady

@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.deps
 
-.PHONY: help lock setup binaries images deps test test-quick test-unit test-trainer test-integration lint crds cluster-up cluster-down demo clean soak
+.PHONY: help lock setup binaries images deps test test-quick test-unit lint crds cluster-up cluster-down demo clean soak
 
 help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
@@ -29,9 +29,10 @@ images: setup
 	@$(PY) hack/images.py
 
 lint: setup binaries
-	@echo "[lint] ruff"
+	@echo "[lint] ruff (rules, and the formatter the '# fmt: skip' markers are for)"
 	@$(PY) -m ruff check .
-	@echo "[lint] import-linter (layering from docs/design: config -> models -> builders/status -> k8s -> handlers)"
+	@$(PY) -m ruff format --check --quiet .
+	@echo "[lint] import-linter (the layers of docs/architecture.md: api -> render -> decide -> run -> cli)"
 	@.venv/bin/lint-imports --no-cache
 	@echo "[lint] shellcheck, hadolint, actionlint, helm lint"
 	@.venv/bin/shellcheck -x --source-path=SCRIPTDIR hack/*.sh bench/*.sh .ci/run
@@ -46,7 +47,7 @@ lock:
 crds: setup
 	@$(PY) -m sharded_operator.api.crdgen > crds/training.sharded.dev_shardedtrainingjobs.yaml
 	@cp crds/training.sharded.dev_shardedtrainingjobs.yaml charts/sharded-training-operator/files/crds/
-	@$(PY) -c 'import sys; from sharded_operator import overrides; sys.stdout.write(overrides.render())' \
+	@$(PY) -c 'import sys; from sharded_operator.api import overrides; sys.stdout.write(overrides.render())' \
 	  > charts/sharded-training-operator/files/pod-overrides.yaml
 	@echo "wrote crds/training.sharded.dev_shardedtrainingjobs.yaml, charts/sharded-training-operator/files/pod-overrides.yaml"
 
@@ -55,15 +56,14 @@ crds: setup
 deps:
 	@$(MAKE) --no-print-directory -j2 binaries images
 
-# The whole suite, in two lanes side by side (hack/suite.py says why); at the end it prints (and writes to
+# The whole suite, in three lanes side by side (hack/suite.py says why); at the end it prints (and writes to
 # build/suite-times.txt) where the time went, per tier, per module and per expensive fixture, and it refuses
 # to run fewer tests per tier than tests/floor.json.
 test: deps lint
 	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~25 min in three lanes"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) hack/suite.py
 
-# The inner loop: lint and the unit tier (no cluster, no torchrun), under a minute warm. (`test-unit`'s
-# marker filter lets the soak through, so this names the tier's folder.)
+# The inner loop: lint and the unit tier (no cluster, no torchrun), under a minute warm.
 test-quick: setup binaries lint
 	@$(PY) -m pytest -q tests/unit
 
@@ -76,7 +76,7 @@ soak: setup binaries
 	done
 
 test-unit: setup
-	@$(PY) -m pytest -v -m "not integration and not trainer and not e2e"
+	@$(PY) -m pytest -q tests/unit
 
 cluster-up: setup binaries
 	@PYTHONPATH=hack $(PY) -m localstack.cluster up --dir .cluster >/dev/null

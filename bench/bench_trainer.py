@@ -162,8 +162,13 @@ def main() -> None:
     ap.add_argument("--async-only", action="store_true", help="with --ckpt: only the two asynchronous saves")
     ap.add_argument("--no-reshard", action="store_true", help="FSDP: keep blocks gathered from forward to backward")
     ap.add_argument("--sdpa", choices=["default", "cudnn", "flash"], default="default", help="attention backend first")
-    ap.add_argument("--option", action="append", default=[], help="a strategy option KEY=VALUE (repeatable), "
-                    "e.g. activationCheckpointing=true, cpuOffload=true, prefetch=2, shard=hybrid")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        help="a strategy option KEY=VALUE (repeatable), "
+        "e.g. activationCheckpointing=true, cpuOffload=true, prefetch=2, shard=hybrid",
+    )
     ap.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     a = ap.parse_args()
 

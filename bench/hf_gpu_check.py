@@ -67,8 +67,15 @@ def main() -> None:
         last = [m for m in metrics if "loss" in m and "step" in m][-1:] or [{}]
         evals = [m["eval_loss"] for m in metrics if m.get("event") == "eval"]
         right = answers(out / name / "ckpt" / "export", base, "lora" in extra) if proc.returncode == 0 else None
-        rec = {"run": name, "rc": proc.returncode, "loss": last[0].get("loss"), "eval_loss": evals[-1:] or None,
-               "peak_alloc_gib": last[0].get("peak_alloc_gib"), "answers_right": right, "of": len(tinyhf.WORDS)}
+        rec = {
+            "run": name,
+            "rc": proc.returncode,
+            "loss": last[0].get("loss"),
+            "eval_loss": evals[-1:] or None,
+            "peak_alloc_gib": last[0].get("peak_alloc_gib"),
+            "answers_right": right,
+            "of": len(tinyhf.WORDS),
+        }
         print("CHECK " + json.dumps(rec), flush=True)
         if proc.returncode:
             print(proc.stderr[-3000:], flush=True)

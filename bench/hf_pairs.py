@@ -76,8 +76,9 @@ def table(name: str, arms: dict[str, dict]) -> list[str]:
         if label.startswith("peer"):
             ours = arms.get("hf-lora" if label == "peer-lora" else "hf")
             mfu = f"{a['tok_s'] * ours['mfu_per_tok']:.1%}" if ours else "-"
-            rows.append(f"| {label} (Hugging Face Trainer) | {a['tok_s']:,} | median step | {mfu} | {a['peak']} "
-                        "| 1.00 | - |")
+            rows.append(
+                f"| {label} (Hugging Face Trainer) | {a['tok_s']:,} | median step | {mfu} | {a['peak']} | 1.00 | - |"
+            )
             continue
         peer = arms.get(peer_of(label))
         preset = arms.get(label.replace("hf", "preset", 1)) if label.startswith("hf-") or label == "hf" else None

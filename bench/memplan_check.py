@@ -84,7 +84,6 @@ def held_out_runs():
     return [r for r in runs if (r[2], r[3]) not in fitted]
 
 
-
 def main() -> None:
     held_out = {(name, arm) for name, arm, *_ in held_out_runs()}
     print("| run | arm | setting | processes | micro-batch x seq | predicted GiB | measured GiB | error |")
@@ -94,8 +93,10 @@ def main() -> None:
         what = setting.label + (" compiled" if job.compile else "") + (
             f" LoRA r{job.lora_r}" + (" NF4" if job.nf4 else "") if job.lora_r else "")  # fmt: skip
         mark = "" if (name, arm) in held_out else " (fit)" if (name, arm) in memplan.FIT_RUNS else " (as a fit run)"
-        print(f"| {name} | {arm}{mark} | {what} | {job.world} | {job.micro_batch} x {job.seq} | {predicted:.2f} | "
-              f"{measured:.2f} | {predicted / measured - 1:+.1%} |")
+        print(
+            f"| {name} | {arm}{mark} | {what} | {job.world} | {job.micro_batch} x {job.seq} | {predicted:.2f} | "
+            f"{measured:.2f} | {predicted / measured - 1:+.1%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ class Bench:
 
     def training(self, past_step: int = 0) -> int:
         """Wait until the job trains past `past_step` with a checkpoint behind it; returns the step."""
+
         def ok():
             s = self.status()
             return (s.get("progress") or {}).get("step", 0) > past_step + 6 and s.get("lastCheckpoint")

@@ -280,7 +280,6 @@ class CpuMeter:
         return used
 
 
-
 def metric_rows(url: str) -> list[tuple[str, float]]:
     """A Prometheus endpoint's samples as (series, value)."""
     with urllib.request.urlopen(url, timeout=10) as r:

@@ -40,8 +40,12 @@ VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(),
 # What the build contexts hold: .dockerignore lets in only these (tests/unit/test_images.py keeps the two
 # the same), so they and the Dockerfile and base are every input of an image.
 CONTEXT = [
-    "pyproject.toml", "README.md", "requirements",
-    "api/sharded_api", "operator/sharded_operator", "trainer/sharded_trainer",
+    "pyproject.toml",
+    "README.md",
+    "requirements",
+    "api/sharded_api",
+    "operator/sharded_operator",
+    "trainer/sharded_trainer",
 ]
 OPERATOR_IMAGE = f"sharded-training/operator:{VERSION}"
 TRAINER_IMAGE = f"sharded-training/trainer:{VERSION}"

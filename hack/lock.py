@@ -89,8 +89,21 @@ def _uv() -> Path:
 def _compile(out: Path, extras: list[str], constraints: Path | None) -> None:
     build_in = REQS / ".build.in"
     build_in.write_text("\n".join(BUILD) + "\n")
-    cmd = [str(_uv()), "pip", "compile", "-q", "pyproject.toml", str(build_in), "--generate-hashes",
-           "--no-header", "--annotation-style", "line", *TARGET, "-o", str(out)]
+    cmd = [
+        str(_uv()),
+        "pip",
+        "compile",
+        "-q",
+        "pyproject.toml",
+        str(build_in),
+        "--generate-hashes",
+        "--no-header",
+        "--annotation-style",
+        "line",
+        *TARGET,
+        "-o",
+        str(out),
+    ]
     for extra in extras:
         cmd += ["--extra", extra]
     if constraints:
@@ -121,8 +134,10 @@ def main() -> int:
     elif command == "check":
         stale = check()
         if stale:
-            print(f"error: {', '.join(stale)} no longer match pyproject.toml's dependencies: run `make lock`",
-                  file=sys.stderr)
+            print(
+                f"error: {', '.join(stale)} no longer match pyproject.toml's dependencies: run `make lock`",
+                file=sys.stderr,
+            )
             return 1
     else:
         print(__doc__, file=sys.stderr)

@@ -103,7 +103,11 @@ def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProce
     # A short restart grace: KWOK removes deleted pods at once anyway, but a pod left stuck (a dead kubelet)
     # must outlive its grace before the operator may force it out.
     op = OperatorProcess(
-        cluster.kubeconfig, log, RESTART_GRACE_SECONDS="3", SUSPEND_GRACE_SECONDS="5", PROGRESS_WRITE_SECONDS="1",
+        cluster.kubeconfig,
+        log,
+        RESTART_GRACE_SECONDS="3",
+        SUSPEND_GRACE_SECONDS="5",
+        PROGRESS_WRITE_SECONDS="1",
         IGNORE_NAMESPACES="kube-system,ha-*",  # the replicas of test_ha.py act there
     ).start()
     yield op

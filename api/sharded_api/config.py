@@ -361,6 +361,8 @@ class TrainerConfig(TrainingSpec):
         if self.tensorboard and not self.checkpoint.dir:
             raise ValueError("tensorboard needs checkpoint.dir: the event files are written next to the checkpoints")
         if self.export_on_success and not (self.checkpoint.dir and self.model.huggingface):
-            raise ValueError("exportOnSuccess needs checkpoint.dir and model.huggingface: the export is a Hugging "
-                             "Face directory written next to the checkpoints")
+            raise ValueError(
+                "exportOnSuccess needs checkpoint.dir and model.huggingface: the export is a Hugging "
+                "Face directory written next to the checkpoints"
+            )
         return self

@@ -243,4 +243,3 @@ class ProgressReport(TrainingProgress):
                 "run an operator at least as new as the trainer image"
             )
         return v
-

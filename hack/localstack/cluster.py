@@ -214,8 +214,15 @@ class LocalCluster:
                     # With `audit`: every write to the objects the operator acts on, with who sent it and when
                     # it landed, what the HA test reads to show that two replicas never act at once. Off
                     # otherwise: each audited write waits for its line, which slows every other tier's writes.
-                    *([f"--audit-policy-file={self._audit_policy()}", f"--audit-log-path={self.audit_log}",
-                       "--audit-log-format=json"] if self.audit else []),
+                    *(
+                        [
+                            f"--audit-policy-file={self._audit_policy()}",
+                            f"--audit-log-path={self.audit_log}",
+                            "--audit-log-format=json",
+                        ]
+                        if self.audit
+                        else []
+                    ),
                     "--v=1",
                 ],
             )

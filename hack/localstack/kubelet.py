@@ -54,6 +54,7 @@ MAX_PORTS = 16
 def exec_request(query: dict[str, list[str]]) -> tuple[list[str], bool] | str:
     """The command of an exec request and whether it reads stdin, or what is wrong with the request. The API
     server asks with input/output/error/tty; `stdin`/`stdout`/`stderr` are accepted as well."""
+
     def on(*names: str) -> bool:
         return any(v in ("1", "true", "True") for n in names for v in query.get(n, []))
 
@@ -63,7 +64,6 @@ def exec_request(query: dict[str, list[str]]) -> tuple[list[str], bool] | str:
     if on("tty"):
         return "tty: this node serves exec without a terminal; leave tty off (kubectl exec -i, not -it)"
     return command, on("input", "stdin")
-
 
 
 def tail_lines(data: bytes, n: int) -> bytes:
@@ -177,8 +177,12 @@ class KubeletServer:
     def _switch(req: BaseHTTPRequestHandler, protocol: str) -> None:
         key = req.headers["Sec-WebSocket-Key"]
         accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
-        head = ["HTTP/1.1 101 Switching Protocols", "Upgrade: websocket", "Connection: Upgrade",
-                f"Sec-WebSocket-Accept: {accept}"] + ([f"Sec-WebSocket-Protocol: {protocol}"] if protocol else [])
+        head = [
+            "HTTP/1.1 101 Switching Protocols",
+            "Upgrade: websocket",
+            "Connection: Upgrade",
+            f"Sec-WebSocket-Accept: {accept}",
+        ] + ([f"Sec-WebSocket-Protocol: {protocol}"] if protocol else [])
         req.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode())
         req.wfile.flush()
         req.close_connection = True

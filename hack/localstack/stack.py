@@ -114,7 +114,10 @@ class LocalStack:
             install_crd(self.cluster.kubeconfig)
             names = [f"local-node-{i}" for i in range(self.nodes)]
             self.agent = NodeAgent(
-                str(self.cluster.kubeconfig), self.workdir / "nodeagent", names, pki=self.cluster.workdir / "pki",
+                str(self.cluster.kubeconfig),
+                self.workdir / "nodeagent",
+                names,
+                pki=self.cluster.workdir / "pki",
                 containers=self.containers,
             ).start()
             self.operator = OperatorProcess(

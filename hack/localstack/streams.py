@@ -33,6 +33,7 @@ while b := s.recv(65536):
     os.write(1, b)
 """
 
+
 def exit_status(code: int) -> bytes:
     """The v4 error channel's last word, as the kubelet writes it: a Status the client reads its exit code from."""
     if code == 0:
@@ -185,7 +186,10 @@ class Forward(Stream):
         self.relays = [
             subprocess.Popen(
                 ["ip", "netns", "exec", netns, sys.executable, "-c", RELAY, str(port)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                bufsize=0,
             )
             for port in ports
         ]

@@ -50,7 +50,7 @@ class Job:
         return self.obj.status.phase
 
     def condition(self, type_: str) -> str | None:
-        """"True", "False" or "Unknown"; None when the operator has not set it (yet)."""
+        """ "True", "False" or "Unknown"; None when the operator has not set it (yet)."""
         return next((c.status for c in self.obj.status.conditions if c.type == type_), None)
 
 
@@ -109,9 +109,7 @@ class Client:
         except ApiError as e:
             raise _api_error(e, f"updating {name}") from e
 
-    def wait(
-        self, name: str, *, condition: str | None = None, phase: str | None = None, timeout: float = 600
-    ) -> Job:
+    def wait(self, name: str, *, condition: str | None = None, phase: str | None = None, timeout: float = 600) -> Job:
         """Until the condition is True or the job reaches the phase. A job that ends another way (Failed
         while waiting for Complete, say) raises at once instead of running out the clock."""
         if (condition is None) == (phase is None):

@@ -106,8 +106,15 @@ class OperatorSettings(BaseModel):
     )  # fmt: skip
     log_format: str = Field("json", pattern="^(json|plain)$", description="json (structured) or plain logs.")
 
-    @field_validator("namespaces", "forbid_pod_overrides", "ignore_namespaces", "annotation_prefixes",
-                     "gpu_resource_names", "rdma_resource_names", mode="before")
+    @field_validator(
+        "namespaces",
+        "forbid_pod_overrides",
+        "ignore_namespaces",
+        "annotation_prefixes",
+        "gpu_resource_names",
+        "rdma_resource_names",
+        mode="before",
+    )
     @classmethod
     def _split(cls, value):
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value

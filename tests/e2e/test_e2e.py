@@ -163,6 +163,7 @@ def test_an_elastic_job_trains_on_two_of_three_nodes_grows_back_and_is_resized_b
         def ok(s):
             p = s.get("progress") or {}
             return s.get("currentNodes") == n and p.get("step", 0) > past and p.get("globalBatchSize") == 48
+
         return jobs.wait(name, ok, timeout=300, what=f"training on {n} nodes past step {past}")
 
     step = training_on(3)["progress"]["step"]
@@ -404,8 +405,14 @@ def test_port_forward_reaches_a_server_on_a_pods_loopback_through_the_api_server
     www = tmp_path / "www"
     www.mkdir()
     (www / "blob").write_bytes(os.urandom(3 << 20))
-    jobs.create(job(name, nodes=1, procsPerNode=1,
-                    command=["-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(www)]))
+    jobs.create(
+        job(
+            name,
+            nodes=1,
+            procsPerNode=1,
+            command=["-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(www)],
+        )
+    )
     jobs.wait(name, lambda s: s.get("phase") == "Running", what="Running")
     env = cli_env(stack)
 

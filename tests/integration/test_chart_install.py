@@ -100,8 +100,16 @@ def test_operator_with_the_charts_identity_reconciles_a_job(release, tmp_path):
         report = {"uid": job["metadata"]["uid"], "namespace": JOBS_NS, "name": "rbac", "attempt": 1, "run": "r",
                   "step": 3, "updatedAt": "2026-01-01T00:00:00Z"}  # fmt: skip
         assert post(op, report, mint(core, JOBS_NS, pod))[0] == 200
-        wait_for(lambda: release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/rbac")
-                 .get("status", {}).get("progress", {}).get("step") == 3, what="progress under the chart's RBAC")
+        wait_for(
+            lambda: (
+                release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/rbac")
+                .get("status", {})
+                .get("progress", {})
+                .get("step")
+                == 3
+            ),
+            what="progress under the chart's RBAC",
+        )
         # No request of the operator was refused.
         assert not REFUSED.search(op.log.read_text()), op.log.read_text()[-3000:]
     finally:
@@ -152,6 +160,7 @@ def test_the_operator_image_serves_healthz_and_reconciles_with_the_charts_token(
                     *(a for k, v in env.items() for a in ("-e", f"{k}={v}")), images["operator"]],
                    check=True, capture_output=True)  # fmt: skip
     try:
+
         def healthy():
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
@@ -172,8 +181,17 @@ def test_the_operator_image_serves_healthz_and_reconciles_with_the_charts_token(
         body = make_job("in-image").nodes(2).gpus(2).obj()
         body["metadata"] = {"name": "in-image"}
         release.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}", body)
-        wait_for(lambda: (release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/in-image")
-                          .get("status") or {}).get("phase") == "Running", timeout=60, what="job Running")
+        wait_for(
+            lambda: (
+                (
+                    release.api("GET", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/in-image").get("status")
+                    or {}
+                ).get("phase")
+                == "Running"
+            ),
+            timeout=60,
+            what="job Running",
+        )
         # Deleted while the operator runs: it releases its finalizer.
         release.api("DELETE", f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}/in-image")
         jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{JOBS_NS}/{PLURAL}"

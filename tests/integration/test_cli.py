@@ -42,8 +42,23 @@ def end_pods(core, namespace: str, name: str, code: int) -> None:
 
 
 def test_submit_from_flags_list_get_suspend_resume_and_wait(sharded, core, namespace):
-    out = sharded("submit", "--name", "flags", "--nodes", "2", "--gpus-per-node", "4", "--strategy", "zero2",
-                  "--image", "trainer:test", "--set", "trainer.steps=50", "--set", "failurePolicy.backoffLimit=1")
+    out = sharded(
+        "submit",
+        "--name",
+        "flags",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--strategy",
+        "zero2",
+        "--image",
+        "trainer:test",
+        "--set",
+        "trainer.steps=50",
+        "--set",
+        "failurePolicy.backoffLimit=1",
+    )
     assert "shardedtrainingjob/flags created" in out.stdout
     sharded("wait", "flags", "--for", "condition=Running", "--timeout", "60s")
     listing = sharded("list").stdout.splitlines()

@@ -132,8 +132,15 @@ def test_a_standby_times_the_lease_by_its_own_clock_whatever_the_holders_clock_s
             "renewTime": skewed, "leaseTransitions": 1}  # fmt: skip
     coordination.create_namespaced_lease(ha_namespace, {"metadata": {"name": LEASE}, "spec": spec})
     renewed = time.monotonic()  # the holder's last renewal: it acts until renewed + RENEW_DEADLINE
-    standby = OperatorProcess(cluster.kubeconfig, tmp_path / "standby.log", IDENTITY="standby", NAMESPACES=ha_namespace,
-                              LEASE_NAME=LEASE, LEASE_NAMESPACE=ha_namespace, IGNORE_NAMESPACES="kube-system").start()
+    standby = OperatorProcess(
+        cluster.kubeconfig,
+        tmp_path / "standby.log",
+        IDENTITY="standby",
+        NAMESPACES=ha_namespace,
+        LEASE_NAME=LEASE,
+        LEASE_NAMESPACE=ha_namespace,
+        IGNORE_NAMESPACES="kube-system",
+    ).start()
     try:
         wait_for(lambda: holder(coordination, ha_namespace) == "standby", timeout=LEASE_SECONDS * 3, interval=0.1,
                  what="the standby holding the Lease")  # fmt: skip

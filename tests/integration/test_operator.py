@@ -584,8 +584,11 @@ def test_added_containers_pull_secrets_runtime_class_and_limits_reach_pods_the_a
             raise
     ops.create(
         gpu_job()
-        .spec("resources.cpu", "2").spec("resources.cpuLimit", "4").spec("resources.memory", "4Gi")
-        .spec("pod.imagePullSecrets", ["regcred"]).spec("pod.runtimeClassName", "gpu-runtime")
+        .spec("resources.cpu", "2")
+        .spec("resources.cpuLimit", "4")
+        .spec("resources.memory", "4Gi")
+        .spec("pod.imagePullSecrets", ["regcred"])
+        .spec("pod.runtimeClassName", "gpu-runtime")
         .spec("pod.initContainers", [{"name": "fetch", "image": "busybox", "command": ["true"]}])
         .spec("pod.sidecars", [{"name": "ship", "image": "fluent-bit"}])
     )
@@ -603,6 +606,7 @@ def test_a_failed_pod_is_replaced_alone_and_a_lost_store_restarts_the_gang(ops, 
     """The operator's in-place decisions against the real API server (KWOK pods, no trainer): only the failed
     pod is recreated, in the same attempt; the rendezvous store pod is made with the pods, and losing it while
     they run restarts the gang as a disruption, with a new store."""
+
     def store():
         found = core.list_namespaced_pod(ops.ns, field_selector="metadata.name=j-rdzv").items
         return found[0] if found and found[0].status.phase == "Running" else None
@@ -617,6 +621,7 @@ def test_a_failed_pod_is_replaced_alone_and_a_lost_store_restarts_the_gang(ops, 
     def replaced():
         now = {p.metadata.name: p.metadata.uid for p in ops.pods() if p.status.phase == "Running"}
         return len(now) == 2 and now["j-1"] != uids["j-1"] and now
+
     now = wait_for(replaced, what="j-1 replaced alone")
     status = wait_for(lambda: (s := ops.status())["recovery"]["pending"] == [] and s, what="nothing pending")
     assert now["j-0"] == uids["j-0"] and status["attempt"] == 1 and status["restarts"] == 0

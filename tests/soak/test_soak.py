@@ -331,7 +331,8 @@ def test_jobs_survive_a_seeded_schedule_of_faults(core, custom, namespace, opera
         custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, exp.name)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and (
-        soak.pods() or core.list_namespaced_config_map(namespace, label_selector=LABEL_JOB).items
+        soak.pods()
+        or core.list_namespaced_config_map(namespace, label_selector=LABEL_JOB).items
         or core.list_namespaced_service(namespace, label_selector=LABEL_JOB).items
     ):
         time.sleep(0.5)

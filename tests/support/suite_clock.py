@@ -68,7 +68,10 @@ class SuiteClock:
         short = floor_shortfalls(floor, counts)
         if short:
             raise pytest.UsageError(
-                "the suite proves less than its recorded floor (" + path + "):\n  " + "\n  ".join(short)
+                "the suite proves less than its recorded floor ("
+                + path
+                + "):\n  "
+                + "\n  ".join(short)
                 + "\nspeed must not come from dropping tests; restore them, or lower the floor in a reviewed commit"
             )
 

@@ -62,7 +62,12 @@ class Run:
 
 
 def start_agents(
-    config: Path, *, nodes: int = 2, procs: int = 2, script: list[str] | None = None, log_dir: Path,
+    config: Path,
+    *,
+    nodes: int = 2,
+    procs: int = 2,
+    script: list[str] | None = None,
+    log_dir: Path,
     env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen]:
     """One torchrun agent per node, all meeting at a c10d rendezvous on localhost. The trainer, and the

@@ -111,9 +111,7 @@ def test_workers_get_longer_than_torchruns_own_30_seconds_to_stop(tmp_path, stor
     assert proc.returncode == ExitCode.PREEMPTED, out[-3000:]
 
 
-def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_newest_checkpoint(
-    tmp_path, store_port
-):
+def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_newest_checkpoint(tmp_path, store_port):
     """failurePolicy.inPlaceRestarts: torchrun restarts the workers inside the pod (the launcher, as PID 1,
     never exits), they resume from the newest checkpoint, and the report says which restart this is."""
     config = write_config(tmp_path, steps=40, **{"checkpoint.interval": 10})
@@ -210,9 +208,7 @@ def test_a_garbled_fingerprint_on_the_claim_is_refused_not_crashed_on(tmp_path):
     assert "fingerprint: unreadable (list)" in again.stdout and "Traceback" not in again.stderr
 
 
-def test_workers_stopped_by_torchrun_with_a_frozen_peer_exit_without_waiting_for_torchruns_kill(
-    tmp_path, store_port
-):
+def test_workers_stopped_by_torchrun_with_a_frozen_peer_exit_without_waiting_for_torchruns_kill(tmp_path, store_port):
     """A SIGTERM that is not the launcher's comes from torchrun restarting the workers. With a peer frozen (a
     partitioned node) the stop can never be agreed; the worker leaves after STOP_AGREE_SECONDS without a
     checkpoint instead of waiting for torchrun's SIGKILL 30 s on, and the restarted workers resume and finish."""

@@ -47,8 +47,12 @@ def zero2_state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
     out["step"] = {"adam": torch.tensor(sorted(steps))}
     groups = [p["base_optimizer_state"]["param_groups"] for p in parts]
     assert all(g == groups[0] for g in groups)  # the hyperparameters, the same in every partition
-    out["hyperparameters"] = {f"{g}.{k}": torch.tensor(v, dtype=torch.float64) for g, group in enumerate(groups[0])
-                              for k, v in group.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    out["hyperparameters"] = {
+        f"{g}.{k}": torch.tensor(v, dtype=torch.float64)
+        for g, group in enumerate(groups[0])
+        for k, v in group.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
     out["scheduler"] = {k: torch.tensor(v) for k, v in model["lr_scheduler"].items() if isinstance(v, int | float)}
     return out
 

@@ -245,8 +245,10 @@ def test_an_interactive_job_runs_the_session_with_the_training_pods_environment_
     assert c["command"] == ["python", "-m", "sharded_trainer.interactive", "--config", SETTINGS.trainer_config_path,
                             "--port", "9999", "--root-dir", "/ckpt"]  # fmt: skip
     # Everything a run by hand needs is as a training pod has it: the rendezvous, the claim, the progress token.
-    assert c["env"] == training["spec"]["containers"][0]["env"] and c["volumeMounts"] == \
-        training["spec"]["containers"][0]["volumeMounts"]
+    assert (
+        c["env"] == training["spec"]["containers"][0]["env"]
+        and c["volumeMounts"] == training["spec"]["containers"][0]["volumeMounts"]
+    )
     assert env_of(pod)[PodEnv.NODE_RANK] == "1"
     without_claim = make_job().spec("interactive", {}).model()
     assert "--root-dir" not in podspec.build_pod(without_claim, 0, 1, SETTINGS)["spec"]["containers"][0]["command"]

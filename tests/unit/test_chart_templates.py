@@ -156,7 +156,7 @@ def test_the_charts_allowlist_values_name_exactly_the_tables_rows():
     schema = json.loads((chart / "values.schema.json").read_text())
     assert schema["properties"]["forbidPodOverrides"]["items"]["enum"] == list(overrides.NAMES)
     values = (chart / "values.yaml").read_text()
-    comment = values[values.index("# -- Rows of the pod allowlist"): values.index("forbidPodOverrides: []")]
+    comment = values[values.index("# -- Rows of the pod allowlist") : values.index("forbidPodOverrides: []")]
     assert [n for n in overrides.NAMES if n not in comment] == []
     assert (chart / "files" / "pod-overrides.yaml").read_text() == overrides.render(), "run `make crds`"
 

@@ -29,8 +29,10 @@ def pods(n: int, phase: str = "Running", attempt: int = 1) -> list[PodView]:
 def running(attempt: int = 1, running_for: float = 60, **status):
     """A job whose attempt `attempt` has had every pod running for `running_for` seconds."""
     cond = {"type": "Running", "status": "True", "reason": "AllNodesRunning", "lastTransitionTime": ago(running_for)}
-    return make_job().nodes(2).status(
-        **{"attempt": attempt, "phase": "Running", "startTime": ago(3600), "conditions": [cond], **status}
+    return (
+        make_job()
+        .nodes(2)
+        .status(**{"attempt": attempt, "phase": "Running", "startTime": ago(3600), "conditions": [cond], **status})
     )
 
 

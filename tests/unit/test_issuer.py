@@ -80,8 +80,12 @@ def test_a_token_the_issuer_signed_names_its_pod():
         (lambda: token(**{"kubernetes.io": {"namespace": "team"}}), "bound to a pod"),
         (lambda: token(sub="system:serviceaccount:other:default"), "bound to a pod"),
         (lambda: token(kid="unknown"), "not signed by this cluster"),
-        (lambda: jwt.encode(claims(), "a-shared-secret-of-thirty-two-bytes!", algorithm="HS256",
-                            headers={"kid": "k1"}), "not signed"),  # an HMAC the public key could pass as
+        (
+            lambda: jwt.encode(
+                claims(), "a-shared-secret-of-thirty-two-bytes!", algorithm="HS256", headers={"kid": "k1"}
+            ),
+            "not signed",
+        ),  # an HMAC the public key could pass as
         (lambda: "a.b.c", "not a ServiceAccount token"),
     ],
 )

@@ -111,14 +111,17 @@ def plugin(tmp_path: Path, script: str) -> dict:
 
 def test_an_exec_plugin_gives_the_token_and_runs_again_when_it_expires(tmp_path):
     count = tmp_path / "runs"
-    user = plugin(tmp_path, f"""
+    user = plugin(
+        tmp_path,
+        f"""
 import json, os, sys, pathlib
 p = pathlib.Path({str(count)!r}); n = int(p.read_text()) + 1 if p.exists() else 1; p.write_text(str(n))
 info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
 assert info["kind"] == "ExecCredential" and sys.argv[1:] == ["--x"]
 print(json.dumps({{"kind": "ExecCredential", "status": {{"token": os.environ["PLUGIN_TOKEN"] + str(n),
                   "expirationTimestamp": "2000-01-01T00:00:00Z"}}}}))
-""")
+""",
+    )
     c = transport.load(str(kubeconfig(tmp_path, user)))
     assert c.token == "from-env1" and c.expires is not None and c.expires < time.time()
     http = Transport(c)
@@ -128,20 +131,26 @@ print(json.dumps({{"kind": "ExecCredential", "status": {{"token": os.environ["PL
 def counted_plugin(tmp_path: Path, body: str) -> dict:
     """A plugin that counts its runs in `runs` and then runs `body` (with `n`, the run's number, and `soon`,
     an expiry 30 s away: inside the early-renewal window, so every use of the token asks for a new one)."""
-    return plugin(tmp_path, f"""
+    return plugin(
+        tmp_path,
+        f"""
 import json, os, sys, pathlib, time, datetime as dt
 p = pathlib.Path({str(tmp_path / "runs")!r}); n = int(p.read_text()) + 1 if p.exists() else 1; p.write_text(str(n))
 soon = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
 {body}
-""")
+""",
+    )
 
 
 def test_a_renewal_that_fails_keeps_the_token_that_still_works_and_is_tried_again_later(tmp_path, monkeypatch):
-    user = counted_plugin(tmp_path, """
+    user = counted_plugin(
+        tmp_path,
+        """
 if n > 1:
     print("the identity provider is down", file=sys.stderr); sys.exit(1)
 print(json.dumps({"kind": "ExecCredential", "status": {"token": "first", "expirationTimestamp": soon}}))
-""")
+""",
+    )
     http = Transport(transport.load(str(kubeconfig(tmp_path, user))))
     assert http._current().token == "first"  # due for renewal; the plugin fails; the token is kept
     assert http._current().token == "first"  # not run again at once: a failing plugin is not hammered
@@ -159,11 +168,14 @@ print(json.dumps({"kind": "ExecCredential", "status": {"token": "first", "expira
 
 def test_no_request_waits_for_a_plugin_while_the_token_still_works(tmp_path):
     gate = tmp_path / "gate"
-    user = counted_plugin(tmp_path, f"""
+    user = counted_plugin(
+        tmp_path,
+        f"""
 while n > 1 and not pathlib.Path({str(gate)!r}).exists():
     time.sleep(0.05)
 print(json.dumps({{"kind": "ExecCredential", "status": {{"token": "t" + str(n), "expirationTimestamp": soon}}}}))
-""")
+""",
+    )
     http = Transport(transport.load(str(kubeconfig(tmp_path, user))))
     renewer = threading.Thread(target=http._current)
     renewer.start()  # runs the plugin, which blocks on the gate

@@ -108,8 +108,10 @@ def test_a_dropped_watch_resumes_from_the_last_version_seen(monkeypatch):
 
 
 def test_an_expired_watch_lists_again_and_reports_only_what_changed_meanwhile():
-    lists = [([node("a", "1"), node("b", "2"), node("c", "3")], "10"),
-             ([node("a", "30"), node("b", "31", ready=False)], "40")]  # c deleted, b NotReady while away
+    lists = [
+        ([node("a", "1"), node("b", "2"), node("c", "3")], "10"),
+        ([node("a", "30"), node("b", "31", ready=False)], "40"),
+    ]  # c deleted, b NotReady while away
     watches = [[("MODIFIED", node("a", "11", beat="t1")), Expired("too old")]]
     listed, changed, _, kube = run(lists, watches)
     assert listed[1] == {"b": NodeView(ready=False, since="2026-01-01T00:00:00Z"), "c": None}
@@ -173,4 +175,3 @@ def test_the_client_raises_malformed_on_a_line_that_is_not_an_event(bad):
     assert next(events) == ("MODIFIED", node("a", "11"))
     with pytest.raises(Malformed):
         next(events)
-

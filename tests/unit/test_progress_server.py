@@ -54,7 +54,7 @@ def test_a_body_in_many_segments_is_read_whole():
         head, _ = request(body)
         writer.write(head)
         for i in range(0, len(body), 500):  # six segments, apart in time as a slow network sends them
-            writer.write(body[i:i + 500])
+            writer.write(body[i : i + 500])
             await writer.drain()
             await asyncio.sleep(0.03)
         status, reply = await answer(reader)

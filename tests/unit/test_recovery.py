@@ -199,8 +199,16 @@ def test_a_hang_is_the_gangs_failure_never_one_pods():
         (PodView(**{**vars(STORE), "phase": "Failed", "exit_code": 1}), False, "wait"),
         (PodView(**{**vars(STORE), "node": "gone"}), False, "wait"),
     ],
-    ids=["absent-before-start", "vanished", "failed", "deleted", "node-lost", "running", "failed-before-start",
-         "node-lost-before-start"],
+    ids=[
+        "absent-before-start",
+        "vanished",
+        "failed",
+        "deleted",
+        "node-lost",
+        "running",
+        "failed-before-start",
+        "node-lost-before-start",
+    ],
 )
 def test_the_rendezvous_store_pod(store, running, verdict):
     pods = gang(phase="Running" if running else "Pending")

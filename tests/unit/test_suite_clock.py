@@ -12,10 +12,14 @@ def _items(*nodeids):
 
 
 def test_parametrized_cases_count_as_tests_and_once_as_a_function():
-    counts = collected_counts(_items(
-        "tests/unit/test_a.py::test_x[1]", "tests/unit/test_a.py::test_x[2]", "tests/unit/test_a.py::test_y",
-        "tests/trainer/test_b.py::test_z[fsdp]",
-    ))
+    counts = collected_counts(
+        _items(
+            "tests/unit/test_a.py::test_x[1]",
+            "tests/unit/test_a.py::test_x[2]",
+            "tests/unit/test_a.py::test_y",
+            "tests/trainer/test_b.py::test_z[fsdp]",
+        )
+    )
     assert counts == {"unit": {"tests": 3, "functions": 2}, "trainer": {"tests": 1, "functions": 1}}
 
 
@@ -23,7 +27,8 @@ def test_a_tier_below_its_floor_is_named_and_one_at_or_above_passes():
     floor = {"unit": {"tests": 3, "functions": 2}, "e2e": {"tests": 1, "functions": 1}}
     counts = {"unit": {"tests": 3, "functions": 1}}
     assert floor_shortfalls(floor, counts) == [
-        "e2e: 0 functions collected, floor 1", "e2e: 0 tests collected, floor 1",
+        "e2e: 0 functions collected, floor 1",
+        "e2e: 0 tests collected, floor 1",
         "unit: 1 functions collected, floor 2",
     ]
     assert floor_shortfalls(floor, {"unit": {"tests": 9, "functions": 9}, "e2e": {"tests": 1, "functions": 1}}) == []
@@ -44,6 +49,7 @@ def test_the_suite_names_each_failed_test_with_the_first_line_of_why(tmp_path):
         '</testcase><testcase classname="tests.unit.t" name="test_ok"/></testsuite></testsuites>'
     )
     assert suite.failures(junit) == [
-        "tests.soak.test_soak::test_soak [failure] assert 1 == 2", "tests.e2e.t::test_e [error] boom",
+        "tests.soak.test_soak::test_soak [failure] assert 1 == 2",
+        "tests.e2e.t::test_e [error] boom",
     ]
     assert suite.totals(junit) == {"tests": 3, "failures": 1, "errors": 1, "skipped": 0, "passed": 1}

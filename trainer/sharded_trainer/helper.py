@@ -51,8 +51,13 @@ def is_main() -> bool:
 
 
 def report(
-    step: int, *, total_steps: int | None = None, loss: float | None = None, eval_loss: float | None = None,
-    tokens_per_second: float | None = None, checkpoint: dict | None = None,
+    step: int,
+    *,
+    total_steps: int | None = None,
+    loss: float | None = None,
+    eval_loss: float | None = None,
+    tokens_per_second: float | None = None,
+    checkpoint: dict | None = None,
 ) -> None:
     """Rank 0 tells the operator where training stands (other ranks return at once). Cheap to call every
     step: posts go out at most once a second, on a background thread. `checkpoint` ({step, path}) reports

@@ -365,7 +365,8 @@ def settle(
     if gpu_bytes is None:
         chosen = next(st for st in SETTINGS if st.strategy in types)
         return cfg.model_copy(update={"strategy": chosen.apply(cfg.strategy)}), (
-            f"auto: {chosen.label} (no GPU: no memory bound{keeping})")
+            f"auto: {chosen.label} (no GPU: no memory bound{keeping})"
+        )
     job = job_of(cfg, world)
     estimates, chosen = plan(job, gpu_bytes, types)
     estimates = [e for e in estimates if allowed(job, e.setting)]
@@ -383,5 +384,5 @@ def settle(
     skipped = "".join(f", {e.setting.label} would need {e.peak / GIB:.1f}" for e in faster)
     return cfg.model_copy(update={"strategy": chosen.setting.apply(cfg.strategy)}), (
         f"auto: {chosen.setting.label}, {chosen.peak / GIB:.1f} GiB predicted per GPU of {gpu_bytes / GIB:.0f} GiB"
-        f"{skipped}{keeping}")
-
+        f"{skipped}{keeping}"
+    )

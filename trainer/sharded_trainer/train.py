@@ -209,6 +209,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
     )
     report.progress["global_batch_size"] = global_batch  # sent with the first report
+
     def set_aside(info: dict) -> None:  # rank 0: a checkpoint that failed its checks or its load
         emit({"event": "set_aside", **info})
         report.event(
@@ -224,8 +225,15 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     )  # fmt: skip
     # What the run settled on (backend `auto` resolved here outside a pod; the world size torchrun made).
     if env.is_main:
-        emit({"event": "batch", "global_batch": global_batch, "grad_accum_steps": accum, "world": env.world,
-              **({"requested": cfg.global_batch_size} if cfg.global_batch_size not in (None, global_batch) else {})})
+        emit(
+            {
+                "event": "batch",
+                "global_batch": global_batch,
+                "grad_accum_steps": accum,
+                "world": env.world,
+                **({"requested": cfg.global_batch_size} if cfg.global_batch_size not in (None, global_batch) else {}),
+            }
+        )
     report.event(
         TrainerEventType.SETTING_CHOSEN,
         f"{cfg.strategy.type} on {env.world} processes ({strategy.layout}), backend {env.backend} "
@@ -328,4 +336,3 @@ def export_at_end(cfg: TrainerConfig, report: ProgressReporter, committed: dict)
     )  # fmt: skip
     report.update(step=committed["step"])  # events go out with an update
     report.flush()
-

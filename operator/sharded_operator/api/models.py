@@ -52,6 +52,7 @@ def training_pods(job: str) -> str:
     """Label selector of a job's training pods (those with a node index), not its rendezvous store pod."""
     return f"{LABEL_JOB}={job},{LABEL_INDEX}"
 
+
 # On the checkpoint claim, which outlives its job when retained: the UID of the job that created it.
 ANNOTATION_CREATED_BY = f"{GROUP}/created-by-uid"
 CONTAINER = TRAINER_CONTAINER  # the trainer's container in every pod

@@ -157,48 +157,77 @@ class Override:
 
 ROWS: tuple[Override, ...] = (
     Override(
-        "volumes", "spec.pod.volumes",
+        "volumes",
+        "spec.pod.volumes",
         "a volume other than emptyDir, configMap, downwardAPI, persistentVolumeClaim or a projected configMap/"
         "downwardAPI (a Secret, a ServiceAccount token, hostPath, a network or CSI volume)",
-        _opt(f"{_POD}.volumes", f"{_POD}.volumes.all(v, v.all(k, k in {_cel_list(VOLUME_KEYS)}) && "
-             f"(!has(v.projected) || !has(v.projected.sources) || "
-             f"v.projected.sources.all(s, s.all(k, k in {_cel_list(PROJECTED_SOURCES)}))))"),
+        _opt(
+            f"{_POD}.volumes",
+            f"{_POD}.volumes.all(v, v.all(k, k in {_cel_list(VOLUME_KEYS)}) && "
+            f"(!has(v.projected) || !has(v.projected.sources) || "
+            f"v.projected.sources.all(s, s.all(k, k in {_cel_list(PROJECTED_SOURCES)}))))",
+        ),
         lambda s, a: all(_volume_ok(v) for v in _get(s, "pod", "volumes") or []),
         risky=(
             {"pod.volumes": [{"name": "host", "hostPath": {"path": "/etc"}}]},
             {"pod.volumes": [{"name": "creds", "secret": {"secretName": "db"}}]},
-            {"pod.volumes": [{"name": "tok", "projected": {"sources": [
-                {"serviceAccountToken": {"path": "t", "audience": "https://kubernetes.default.svc"}}]}}]},
+            {
+                "pod.volumes": [
+                    {
+                        "name": "tok",
+                        "projected": {
+                            "sources": [
+                                {"serviceAccountToken": {"path": "t", "audience": "https://kubernetes.default.svc"}}
+                            ]
+                        },
+                    }
+                ]
+            },
             {"pod.volumes": [{"name": "nfs", "nfs": {"server": "10.0.0.1", "path": "/"}}]},
             {"pod.volumes": [{"name": "c", "csi": {"driver": "secrets-store.csi.k8s.io"}}]},
         ),
         safe=(
-            {"pod.volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}},
-                             {"name": "scratch", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "c"}},
-                             {"name": "p", "projected": {"sources": [{"configMap": {"name": "c"}}]}}]},
+            {
+                "pod.volumes": [
+                    {"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}},
+                    {"name": "scratch", "emptyDir": {}},
+                    {"name": "cfg", "configMap": {"name": "c"}},
+                    {"name": "p", "projected": {"sources": [{"configMap": {"name": "c"}}]}},
+                ]
+            },
         ),
     ),
     Override(
-        "annotations", "spec.pod.annotations",
+        "annotations",
+        "spec.pod.annotations",
         "a pod annotation outside the prefixes the cluster admin allows (cloud IAM roles, AppArmor profiles)",
-        _opt(f"{_POD}.annotations",
-             f"{_POD}.annotations.all(k, variables.annotationPrefixes.exists(p, k.startsWith(p)))"),
-        lambda s, a: all(any(k.startswith(p) for p in a.annotation_prefixes)
-                         for k in _get(s, "pod", "annotations") or {}),
-        risky=({"pod.annotations": {"iam.amazonaws.com/role": "admin"}},
-               {"pod.annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}),
+        _opt(
+            f"{_POD}.annotations", f"{_POD}.annotations.all(k, variables.annotationPrefixes.exists(p, k.startsWith(p)))"
+        ),
+        lambda s, a: all(
+            any(k.startswith(p) for p in a.annotation_prefixes) for k in _get(s, "pod", "annotations") or {}
+        ),
+        risky=(
+            {"pod.annotations": {"iam.amazonaws.com/role": "admin"}},
+            {"pod.annotations": {"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}},
+        ),
     ),
     Override(
-        "hostNetwork", "spec.network.hostNetwork", "the host network outside the InfiniBand profile",
+        "hostNetwork",
+        "spec.network.hostNetwork",
+        "the host network outside the InfiniBand profile",
         "!has(object.spec.network) || !has(object.spec.network.hostNetwork) || !object.spec.network.hostNetwork || "
         "(has(object.spec.network.infiniband) && has(object.spec.network.infiniband.enabled) && "
         "object.spec.network.infiniband.enabled)",
-        lambda s, a: not _get(s, "network", "hostNetwork", default=False)
-        or _get(s, "network", "infiniband", "enabled", default=False),
+        lambda s, a: (
+            not _get(s, "network", "hostNetwork", default=False)
+            or _get(s, "network", "infiniband", "enabled", default=False)
+        ),
         risky=({"network.hostNetwork": True},),
     ),
     Override(
-        "infiniband", "spec.network.infiniband",
+        "infiniband",
+        "spec.network.infiniband",
         "the InfiniBand profile (IPC_LOCK, the host network) without GPUs, or with GPU or RDMA resource names "
         "other than the cluster's",
         "!has(object.spec.network) || !has(object.spec.network.infiniband) || "
@@ -207,78 +236,129 @@ ROWS: tuple[Override, ...] = (
         f"{_cel_or('object.spec.resources.gpuResourceName', DEFAULT_GPU_RESOURCE)} in variables.gpuResources && "
         f"{_cel_or('object.spec.network.infiniband.resourceName', DEFAULT_RDMA_RESOURCE)} in variables.rdmaResources)",
         _infiniband_ok,
-        risky=({"resources": {"gpusPerNode": 1, "gpuResourceName": "cpu"},
-                "network": {"infiniband": {"enabled": True, "resourceName": "cpu"}, "hostNetwork": True}},
-               {"resources": {"gpusPerNode": 8, "gpuResourceName": "example.com/gpu"},
-                "network.infiniband": {"enabled": True}}),
+        risky=(
+            {
+                "resources": {"gpusPerNode": 1, "gpuResourceName": "cpu"},
+                "network": {"infiniband": {"enabled": True, "resourceName": "cpu"}, "hostNetwork": True},
+            },
+            {
+                "resources": {"gpusPerNode": 8, "gpuResourceName": "example.com/gpu"},
+                "network.infiniband": {"enabled": True},
+            },
+        ),
     ),
     Override(
-        "hostPort", "spec.pod.initContainers/sidecars[].ports",
+        "hostPort",
+        "spec.pod.initContainers/sidecars[].ports",
         "a hostPort (a port of the node's own address)",
         _each_container("!has(c.ports) || c.ports.all(p, !has(p.hostPort))"),
-        lambda s, a: not any("hostPort" in p for c in _containers(s) for p in c.get("ports") or []
-                             if isinstance(p, dict)),
+        lambda s, a: (
+            not any("hostPort" in p for c in _containers(s) for p in c.get("ports") or [] if isinstance(p, dict))
+        ),
         risky=({"pod.sidecars": [{"name": "s", "image": "i", "ports": [{"containerPort": 80, "hostPort": 80}]}]},),
         safe=({"pod.sidecars": [{"name": "s", "image": "i", "ports": [{"containerPort": 80}]}]},),
     ),
     Override(
-        "tolerations", "spec.scheduling.tolerations",
+        "tolerations",
+        "spec.scheduling.tolerations",
         "a toleration that names no taint key, or a control-plane taint",
-        _opt("object.spec.scheduling.tolerations",
-             f"object.spec.scheduling.tolerations.all(t, has(t.key) && t.key != '' && !(t.key in {_CP}))"),
-        lambda s, a: all(t.get("key") and t["key"] not in CONTROL_PLANE_KEYS
-                         for t in _get(s, "scheduling", "tolerations") or []),
-        risky=({"scheduling.tolerations": [{"operator": "Exists"}]},
-               {"scheduling.tolerations": [{"key": CONTROL_PLANE_KEYS[0], "operator": "Exists"}]}),
+        _opt(
+            "object.spec.scheduling.tolerations",
+            f"object.spec.scheduling.tolerations.all(t, has(t.key) && t.key != '' && !(t.key in {_CP}))",
+        ),
+        lambda s, a: all(
+            t.get("key") and t["key"] not in CONTROL_PLANE_KEYS for t in _get(s, "scheduling", "tolerations") or []
+        ),
+        risky=(
+            {"scheduling.tolerations": [{"operator": "Exists"}]},
+            {"scheduling.tolerations": [{"key": CONTROL_PLANE_KEYS[0], "operator": "Exists"}]},
+        ),
         safe=({"scheduling.tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},),
     ),
     Override(
-        "controlPlane", "spec.scheduling.nodeSelector/affinity", "placement on control-plane nodes",
+        "controlPlane",
+        "spec.scheduling.nodeSelector/affinity",
+        "placement on control-plane nodes",
         _CONTROL_PLANE_CEL,
-        lambda s, a: not any(k in CONTROL_PLANE_KEYS for k in [*(_get(s, "scheduling", "nodeSelector") or {}),
-                                                               *_affinity_keys(s)]),
-        risky=({"scheduling.nodeSelector": {CONTROL_PLANE_KEYS[0]: ""}},
-               {"scheduling.affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                   "nodeSelectorTerms": [{"matchExpressions": [
-                       {"key": CONTROL_PLANE_KEYS[1], "operator": "Exists"}]}]}}}}),
+        lambda s, a: (
+            not any(
+                k in CONTROL_PLANE_KEYS for k in [*(_get(s, "scheduling", "nodeSelector") or {}), *_affinity_keys(s)]
+            )
+        ),
+        risky=(
+            {"scheduling.nodeSelector": {CONTROL_PLANE_KEYS[0]: ""}},
+            {
+                "scheduling.affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": CONTROL_PLANE_KEYS[1], "operator": "Exists"}]}
+                            ]
+                        }
+                    }
+                }
+            },
+        ),
         safe=({"scheduling.nodeSelector": {"nvidia.com/gpu.product": "H200"}},),
     ),
     Override(
-        "serviceAccountName", "spec.pod.serviceAccountName", "another ServiceAccount",
+        "serviceAccountName",
+        "spec.pod.serviceAccountName",
+        "another ServiceAccount",
         f"!has({_POD}) || !has({_POD}.serviceAccountName)",
         lambda s, a: _get(s, "pod", "serviceAccountName") is None,
         risky=({"pod.serviceAccountName": "admin"},),
     ),
     Override(
-        "secretEnv", "spec.pod.env", "an env value from a Secret",
+        "secretEnv",
+        "spec.pod.env",
+        "an env value from a Secret",
         _opt(f"{_POD}.env", f"{_POD}.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))"),
         lambda s, a: not _env_reads_secret(_get(s, "pod", "env") or []),
         risky=({"pod.env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},),
     ),
     Override(
-        "labels", "spec.pod.labels", "an extra pod label (which can join other Services)",
+        "labels",
+        "spec.pod.labels",
+        "an extra pod label (which can join other Services)",
         _opt(f"{_POD}.labels", f"size({_POD}.labels) == 0"),
         lambda s, a: not _get(s, "pod", "labels"),
         risky=({"pod.labels": {"app": "payments"}},),
     ),
     # Without one, an added container gets the trainer's restricted securityContext; its own can ask for more.
     Override(
-        "containerSecurityContext", "spec.pod.initContainers/sidecars", "a securityContext of an added container",
+        "containerSecurityContext",
+        "spec.pod.initContainers/sidecars",
+        "a securityContext of an added container",
         _each_container("!has(c.securityContext)"),
         lambda s, a: not any("securityContext" in c for c in _containers(s)),
         risky=({"pod.sidecars": [{"name": "ship", "image": "busybox", "securityContext": {"privileged": True}}]},),
     ),
     # An added container's own env is a second way to a Secret: the same check as spec.pod.env.
     Override(
-        "containerSecretEnv", "spec.pod.initContainers/sidecars[].env",
+        "containerSecretEnv",
+        "spec.pod.initContainers/sidecars[].env",
         "an env value from a Secret in an added container",
         _each_container(f"{_NO_SECRET_ENV} && {_NO_SECRET_ENV_FROM}"),
-        lambda s, a: not any(_env_reads_secret(c.get("env") or []) or any(
-            isinstance(f, dict) and "secretRef" in f for f in c.get("envFrom") or []) for c in _containers(s)),
-        risky=({"pod.initContainers": [{"name": "fetch", "image": "busybox",
-                                        "envFrom": [{"secretRef": {"name": "db"}}]}]},
-               {"pod.sidecars": [{"name": "s", "image": "i", "env": [
-                   {"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}]}),
+        lambda s, a: (
+            not any(
+                _env_reads_secret(c.get("env") or [])
+                or any(isinstance(f, dict) and "secretRef" in f for f in c.get("envFrom") or [])
+                for c in _containers(s)
+            )
+        ),
+        risky=(
+            {"pod.initContainers": [{"name": "fetch", "image": "busybox", "envFrom": [{"secretRef": {"name": "db"}}]}]},
+            {
+                "pod.sidecars": [
+                    {
+                        "name": "s",
+                        "image": "i",
+                        "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                    }
+                ]
+            },
+        ),
     ),
 )
 NAMES: tuple[str, ...] = tuple(row.name for row in ROWS)

@@ -130,7 +130,9 @@ class Rendezvous(ApiModel):
         900, ge=30, le=86400, description="How long agents wait for every node to join before failing."
     )
     last_call_seconds: int = Field(
-        5, ge=1, le=600,
+        5,
+        ge=1,
+        le=600,
         description="With elastic: how long a round that has minNodes waits for more nodes before it starts "
         "(torchrun's own default of 30 s would stall every recovery).",
     )
@@ -149,7 +151,8 @@ class Elastic(ApiModel):
     max_nodes: int = Field(..., ge=1, le=1024, description="Most nodes the job may use.")
     max_restarts: int = Field(3, ge=0, le=100, description="torchrun's in-place restarts before the pod fails.")
     keep_global_batch: bool = Field(
-        True, strict=True,  # as the schema's boolean: "yes" or 1 is refused, not read as true
+        True,
+        strict=True,  # as the schema's boolean: "yes" or 1 is refused, not read as true
         description="Keep the batch of maxNodes nodes at every size (gradient accumulation makes up for the "
         "missing nodes, the nearest batch when it does not divide), so the loss curve goes on across resizes. "
         "trainer.globalBatchSize, when set, is kept instead. false: each node adds its own batch.",
@@ -160,7 +163,9 @@ class Interactive(ApiModel):
     """An interactive job: its pods start with every rendezvous variable set but train nothing by themselves."""
 
     port: int = Field(
-        8888, ge=1024, le=65535,
+        8888,
+        ge=1024,
+        le=65535,
         description="JupyterLab's port on node 0, bound to the pod's loopback: reached through the API server only "
         "(`sharded port-forward NAME PORT`), with the token node 0 prints in its log.",
     )
@@ -234,7 +239,9 @@ class FailurePolicy(ApiModel):
         "status.inPlaceRestarts, not against backoffLimit. With elastic, elastic.maxRestarts applies instead.",
     )  # fmt: skip
     in_place_timeout_seconds: int = Field(
-        300, ge=10, le=86400,
+        300,
+        ge=10,
+        le=86400,
         description="How long training may take to resume after a pod was replaced alone (the replacement "
         "scheduled, started and joined, a new trainer process reporting) before the gang restarts as a new attempt.",
     )
@@ -251,22 +258,30 @@ class FailurePolicy(ApiModel):
         description="If set, only these exit codes (and evictions / node loss) restart the gang; others fail it.",
     )
     hang_timeout_seconds: int | None = Field(
-        None, ge=60, le=604800,
+        None,
+        ge=60,
+        le=604800,
         description="Restart the gang when the current attempt, having reported progress, sends no new report for "
         "this long (the operator's clock). An attempt that never reports is never declared hung.",
     )
     startup_timeout_seconds: int | None = Field(
-        None, ge=60, le=604800,
+        None,
+        ge=60,
+        le=604800,
         description="Restart the gang when no progress report arrives this long after every pod is running.",
     )
     scheduling_timeout_seconds: int | None = Field(
-        None, ge=1, le=604800,
+        None,
+        ge=1,
+        le=604800,
         description="Raise the PodsStuck condition and an event when a pod stays unschedulable or cannot pull its "
         "image for this long (the reason shows in status at once). Unset: wait quietly, as a job queued by Kueue or "
         "a gang scheduler should.",
     )
     node_lost_seconds: int = Field(
-        60, ge=10, le=3600,
+        60,
+        ge=10,
+        le=3600,
         description="A node whose Ready condition has been False or Unknown this long is lost: its pods' attempt "
         "restarts elsewhere, and its pods still terminating after their grace are force-deleted.",
     )
@@ -288,7 +303,9 @@ class RunPolicy(ApiModel):
         None, ge=0, description="Delete the job this long after it succeeded or failed."
     )
     termination_grace_seconds: int | None = Field(
-        None, ge=0, le=86400,
+        None,
+        ge=0,
+        le=86400,
         description="The pods' grace period: how long the trainer has for its final checkpoint when a pod is "
         "stopped (suspend, eviction, drain). Unset uses the operator's default (suspendGraceSeconds).",
     )
@@ -331,5 +348,3 @@ PROCS_SCHEMA = {
         {"rule": "self == oldSelf", "message": "procsPerNode is immutable after creation"},
     ],
 }
-
-

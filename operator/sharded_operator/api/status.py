@@ -75,8 +75,10 @@ class Progress(StatusModel):
     restart: int | None = Field(None, ge=0, description="torchrun's restart count on the reporting node.")
     nodes: int | None = Field(None, ge=1, description="Nodes in the rendezvous round training runs with.")
     global_batch_size: int | None = Field(
-        None, ge=1, description="Samples per optimizer step at the current world size (nearest to "
-        "trainer.globalBatchSize when that does not divide)."
+        None,
+        ge=1,
+        description="Samples per optimizer step at the current world size (nearest to "
+        "trainer.globalBatchSize when that does not divide).",
     )
     observed_at: str | None = Field(
         None, description="When the operator first saw this report (its clock; hang detection counts from here)."
@@ -150,11 +152,13 @@ class ShardedTrainingJobStatus(StatusModel):
         0, description="Restarts caused by disruptions (evictions, preemption, node loss), not counted as failures."
     )
     in_place_restarts: int = Field(
-        0, description="Worker restarts inside running pods (failurePolicy.inPlaceRestarts), over every attempt; no "
+        0,
+        description="Worker restarts inside running pods (failurePolicy.inPlaceRestarts), over every attempt; no "
         "pod was recreated for them.",
     )
     pod_replacements: int = Field(
-        0, description="Pods replaced alone while the others kept running (over every attempt); gang restarts are "
+        0,
+        description="Pods replaced alone while the others kept running (over every attempt); gang restarts are "
         "restarts and disruptions.",
     )
     recovery: InPlaceRecovery | None = Field(None, description="In-place recovery of the current attempt.")
@@ -170,7 +174,8 @@ class ShardedTrainingJobStatus(StatusModel):
     )
     last_failure: FailureInfo | None = Field(None, description="Last failure that ended an attempt.")
     host_port: int | None = Field(
-        None, description="With network.hostNetwork: the port the job's pods bind on their nodes (the rendezvous), "
+        None,
+        description="With network.hostNetwork: the port the job's pods bind on their nodes (the rendezvous), "
         "chosen from the operator's hostPortRange and declared as a hostPort.",
     )
     start_time: str | None = Field(None, description="When the job first started (RFC 3339).")

@@ -263,8 +263,12 @@ def run(a: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sharded", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p = argparse.ArgumentParser(
+        prog="sharded",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: KUBECONFIG, then ~/.kube/config, then in-cluster)")
     p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, else default)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -294,8 +298,11 @@ def parser() -> argparse.ArgumentParser:
         sub.add_parser(verb, help=f"{verb} a job (its pods are deleted / recreated; checkpoints stay)").add_argument(
             "name"
         )
-    ex = sub.add_parser("export", help="consolidate a checkpoint on the job's claim (one safetensors file; "
-                        "a Hugging Face directory for a Hugging Face model)")
+    ex = sub.add_parser(
+        "export",
+        help="consolidate a checkpoint on the job's claim (one safetensors file; "
+        "a Hugging Face directory for a Hugging Face model)",
+    )
     ex.add_argument("name")
     ex.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     ex.add_argument("--timeout", type=duration, default=1800, help="e.g. 30m (default 30m)")

@@ -70,9 +70,7 @@ def current_failures(
     retired = set(rec.retired) if (rec := recovery_of(status)) else set()
     # A pod already replaced alone is going away on purpose: its failure has been handled; so is one beyond
     # spec.nodes (an elastic job resized down).
-    current = [
-        p for p in obs.pods if p.attempt == status.attempt and p.uid not in retired and p.index < job.spec.nodes
-    ]
+    current = [p for p in obs.pods if p.attempt == status.attempt and p.uid not in retired and p.index < job.spec.nodes]
     out = []
     for p in sorted(current, key=lambda p: p.index):
         where = {"pod": p.name, "node": p.node, "node_rank": p.index, "attempt": status.attempt}
@@ -150,9 +148,7 @@ def store_lost(
     )  # fmt: skip
 
 
-def recovery_overdue(
-    job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime
-) -> FailureInfo | None:
+def recovery_overdue(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, now: dt.datetime) -> FailureInfo | None:
     """A pod replaced alone, and training has not resumed within failurePolicy.inPlaceTimeoutSeconds."""
     rec = recovery_of(status)
     since = parse_iso(rec.since) if rec else None

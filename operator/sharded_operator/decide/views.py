@@ -174,5 +174,3 @@ class Observed:
     # The rendezvous store pod (None: it does not exist), when reconcile looked for it (`store_listed`).
     store: PodView | None = None
     store_listed: bool = False
-
-

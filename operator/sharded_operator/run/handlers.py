@@ -53,7 +53,6 @@ RETRY_SECONDS = (1.0, 60.0)
 API_THREADS = 16
 
 
-
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -269,14 +268,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     desk = ProgressDesk(ctx.kube, cfg, ctx.metrics, cached=lambda ns, name: job_body(jobs, (ns, name)))
     memo.runners = [
         await web.start(web.metrics_app(ctx.metrics, ctx.health), cfg.http_host, cfg.http_port),
-        await web.start(web.progress_app(desk.take, guard=(guard := web.ConnectionGuard())), cfg.http_host,
-                        cfg.progress_port, guard),
+        await web.start(
+            web.progress_app(desk.take, guard=(guard := web.ConnectionGuard())), cfg.http_host, cfg.progress_port, guard
+        ),
     ]
     memo.tasks = [
         asyncio.create_task(resync(ctx, queue, memo.index, looks, cfg.resync_seconds)),
         asyncio.create_task(flush_progress(desk, ctx)),
-        *(asyncio.create_task(work(ctx, queue, memo.index, pool, looks, logger))
-          for _ in range(cfg.reconcile_workers)),
+        *(asyncio.create_task(work(ctx, queue, memo.index, pool, looks, logger)) for _ in range(cfg.reconcile_workers)),
     ]
     if cfg.lease_name:
         memo.tasks.append(asyncio.create_task(elect(ctx, queue, memo.index, looks, logger)))

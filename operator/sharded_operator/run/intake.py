@@ -281,5 +281,3 @@ class ProgressDesk:
         while True:
             await asyncio.sleep(interval)
             await self.flush()
-
-

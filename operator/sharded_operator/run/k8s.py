@@ -32,6 +32,7 @@ _JOBS = f"apis/{GROUP}/{VERSION}"
 _RESOURCES = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
               "PersistentVolumeClaim": "persistentvolumeclaims", "PodGroup": "podgroups"}  # fmt: skip
 
+
 class Kube:
     """Typed access to the objects a job owns. Plain dicts in, plain dicts out, as the API server sends them
     (JSON), through `http` (transport.py)."""
@@ -230,7 +231,12 @@ class Kube:
 
     @retrying
     def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], uid: str, before: dict[str, Any] | None = None,
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        uid: str,
+        before: dict[str, Any] | None = None,
         resource_version: str | None = None,
     ) -> Written | None:
         """Write the status fields that differ from `before` (all of them without it), only onto the object

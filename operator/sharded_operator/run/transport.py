@@ -202,12 +202,14 @@ def _credentials(cluster: dict[str, Any], user: dict[str, Any], namespace: str |
     if base.token:
         return base
     if token_file := user.get("tokenFile"):
+
         def reread() -> Credentials:
             token = (user["_dir"] / Path(token_file).expanduser()).read_text().strip()
             return dataclasses.replace(base, token=token, renew_at=time.time() + TOKEN_REREAD_SECONDS, renew=reread)
 
         return reread()
     if exec_ := user.get("exec"):
+
         def run() -> Credentials:
             return _exec_plugin(base, exec_, user["_dir"], run)
 
@@ -313,8 +315,15 @@ class Transport:
             self._renewing.release()
 
     def request(
-        self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
-        content_type: str = "application/json", timeout: float | None = -1, accept: str = "application/json",
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float | None = -1,
+        accept: str = "application/json",
     ) -> urllib3.BaseHTTPResponse:
         """The response, its body unread (read it as it streams, or whole with `json`/`send`; its connection
         goes back to the pool once read). Raises ApiError for an error status, Unreachable when no answer

@@ -304,6 +304,7 @@ def build_hf(cfg: TrainerConfig) -> Network:
     text = getattr(config, "text_config", config)
     layers, hidden = text.num_hidden_layers, text.hidden_size
     frozen, trained = linear_params(model, trainable=False), linear_params(model, trainable=True)
+
     # A frozen weight costs forward and the input-gradient matmul (4 FLOPs per parameter and token), a
     # trained one the weight gradient too (6); attention scores 12·L·d·T as for the presets.
     def flops_per_token(seq_len: int) -> float:

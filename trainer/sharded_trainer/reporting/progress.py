@@ -206,4 +206,3 @@ class ProgressReporter:
         if self.target and self._unsent is not None:
             body, self._unsent = self._unsent, None
             self._post(body)
-

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from sharded_api.contract import CONFIG_FILE
+
 
 def launch(config: Path, log: Path) -> subprocess.Popen:
     procs = f"--nproc-per-node={torch.cuda.device_count()}"
@@ -42,7 +44,7 @@ def check(strategy: str, args, out: Path) -> dict:
         "checkpoint": {"dir": str(Path("/tmp/gpu-check-ckpt") / strategy), "interval": 10, "keepLast": 2},
         "progressFile": str(work / "progress.json"),
     }  # fmt: skip
-    config = work / "trainer.yaml"
+    config = work / CONFIG_FILE
     config.write_text(yaml.safe_dump(cfg))
     first = launch(config, work / "run1.log")
     deadline = time.monotonic() + 400

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hack"))
 import tinyhf
+from sharded_api.contract import CONFIG_FILE
 
 RUNS = {
     "full-fsdp": {"strategy": {"type": "fsdp"}},
@@ -56,7 +57,7 @@ def main() -> None:
             "checkpoint": {"dir": str(out / name / "ckpt"), "interval": 30}, "exportOnSuccess": True, **extra,
         }  # fmt: skip
         (out / name).mkdir(parents=True, exist_ok=True)
-        path = out / name / "trainer.yaml"
+        path = out / name / CONFIG_FILE
         path.write_text(json.dumps(cfg))
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.procs}", "-m", "sharded_trainer",

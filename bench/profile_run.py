@@ -26,6 +26,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from sharded_api.contract import WorkerEnv
+
 # Without a GPU (CI) the same flow profiles CPU operators.
 DEVICE = "CUDA" if torch.cuda.is_available() else "CPU"
 KERNEL_KINDS = (  # first match wins; kernel names as cuBLAS, cuDNN, NCCL, Triton and ATen give them
@@ -76,7 +78,7 @@ def main() -> None:
         steps = a.active
         step_s = (marks[-1] - marks[-1 - steps]) / steps if len(marks) > steps else float("nan")
         res = summarize(prof, steps, step_s, a.label)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get(WorkerEnv.RANK, "0")) == 0:
             a.out.mkdir(parents=True, exist_ok=True)
             sort = "self_device_time_total" if DEVICE == "CUDA" else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharded_operator.api.models import CONTAINER, GROUP, KIND, LABEL_ATTEMPT, LABEL_INDEX, VERSION, ShardedTrainingJob
-from sharded_operator.api.status import FINISHED, Phase
+from sharded_operator.api.status import FINISHED, Phase, PodPhase
 from sharded_operator.render.export_pod import ExportError, export_pod, location
 from sharded_operator.run.apicalls import Refused
 from sharded_operator.run.k8s import Kube
@@ -147,12 +147,12 @@ class Client:
         pod_name = pod["metadata"]["name"]
         deadline = time.monotonic() + timeout
         while (phase := ((self.kube.get_pod(self.namespace, pod_name) or {}).get("status") or {}).get("phase")) not in (
-            "Succeeded", "Failed"
+            PodPhase.SUCCEEDED, PodPhase.FAILED
         ):  # fmt: skip
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{pod_name}: not done within {timeout:g} s (phase {phase})")
             time.sleep(POLL_SECONDS)
-        if phase == "Failed":
+        if phase == PodPhase.FAILED:
             tail = "\n".join(list(self.kube.pod_log_lines(self.namespace, pod_name, follow=False, tail=20)))
             raise JobError(f"export pod {pod_name} failed (kept for its log):\n{tail}")
         self.kube.delete_pod(self.namespace, pod_name, None)
@@ -163,7 +163,7 @@ class Client:
         attempt = self.get(name).obj.status.attempt
         for p in _of_attempt(self.kube.list_job_pods(self.namespace, name), attempt):
             if p["metadata"]["labels"].get(LABEL_INDEX) == str(node):
-                if p["status"].get("phase") != "Running":
+                if p["status"].get("phase") != PodPhase.RUNNING:
                     raise JobError(f"{name}: node {node}'s pod {p['metadata']['name']} is {p['status'].get('phase')}")
                 return p["metadata"]["name"]
         raise JobError(f"{name}: no pod for node {node} in attempt {attempt}")
@@ -201,7 +201,7 @@ class Client:
         attempt = self.get(name).obj.status.attempt
         pods = sorted(
             (p for p in _of_attempt(self.kube.list_job_pods(self.namespace, name), attempt)
-             if p["status"].get("phase") != "Pending"),
+             if p["status"].get("phase") != PodPhase.PENDING),
             key=lambda p: int(p["metadata"]["labels"][LABEL_INDEX]),
         )  # fmt: skip
         if not pods:

@@ -27,7 +27,7 @@ from sharded_operator.settings import OperatorSettings
 from support.jobs import make_job
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ["operator", "trainer", "hack"]
+SCANNED = ["api", "operator", "trainer", "hack", "bench"]
 
 
 # --- one home for every name ----------------------------------------------------------------------

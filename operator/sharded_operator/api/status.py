@@ -25,6 +25,16 @@ class Phase(StrEnum):
 FINISHED = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 
 
+class PodPhase(StrEnum):
+    """A pod's phase, as the kubelet reports it (not the job's)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"
+
+
 class ConditionType(StrEnum):
     """Condition types in status.conditions: one per phase but Pending and Starting, and a few of their own."""
 

@@ -6,7 +6,7 @@ import datetime as dt
 
 from sharded_api.contract import iso, parse_iso
 from sharded_operator.api.models import ShardedTrainingJob
-from sharded_operator.api.status import FINISHED, Phase, ShardedTrainingJobStatus
+from sharded_operator.api.status import FINISHED, Phase, PodPhase, ShardedTrainingJobStatus
 from sharded_operator.decide.failure import (
     MISSING_GRACE_SECONDS,
     latest,
@@ -49,7 +49,7 @@ def next_due(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Obs
         for since in obs.missing_since.values():
             after(since, MISSING_GRACE_SECONDS)
         for pod in obs.pods:
-            if pod.stuck and pod.phase == "Pending" and pod.attempt == status.attempt:
+            if pod.stuck and pod.phase == PodPhase.PENDING and pod.attempt == status.attempt:
                 after(pod.stuck_since, fp.scheduling_timeout_seconds)
     # Lost nodes matter in every phase: a finished job's pods stuck on one are forced out too.
     pods = [*obs.pods, *([obs.store] if obs.store else [])]

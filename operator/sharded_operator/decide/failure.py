@@ -12,16 +12,33 @@ import datetime as dt
 
 from sharded_api.contract import ExitCode, iso, parse_iso
 from sharded_operator.api.models import ShardedTrainingJob
-from sharded_operator.api.status import ConditionType, FailureInfo, InPlaceRecovery, Phase, ShardedTrainingJobStatus
+from sharded_operator.api.reasons import Reason
+from sharded_operator.api.status import (
+    ConditionType,
+    FailureInfo,
+    InPlaceRecovery,
+    Phase,
+    PodPhase,
+    ShardedTrainingJobStatus,
+)
 from sharded_operator.decide.views import POD_FINISHED, Observed
 from sharded_operator.render.names import pod_name
 
 # Reasons of failures that are disruptions whatever their exit code.
 DISRUPTION_REASONS = frozenset(
-    {"NodeLost", "Evicted", "DisruptionTarget", "Preempted", "RendezvousLost", "PodVanished"}
+    {
+        Reason.NODE_LOST,
+        Reason.EVICTED,
+        Reason.DISRUPTION_TARGET,
+        Reason.PREEMPTED,
+        Reason.RENDEZVOUS_LOST,
+        Reason.POD_VANISHED,
+    }
 )
 # Failures of the whole gang, never of one pod: no replacement of a pod alone recovers from them.
-GANG_REASONS = frozenset({"Hang", "StartupTimeout", "RendezvousLost", "InPlaceRecoveryTimeout"})
+GANG_REASONS = frozenset(
+    {Reason.HANG, Reason.STARTUP_TIMEOUT, Reason.RENDEZVOUS_LOST, Reason.IN_PLACE_RECOVERY_TIMEOUT}
+)
 # How long a vanished pod waits for its deletion event (which says why it went) before it counts anyway.
 MISSING_GRACE_SECONDS = 5
 
@@ -74,20 +91,20 @@ def current_failures(
     out = []
     for p in sorted(current, key=lambda p: p.index):
         where = {"pod": p.name, "node": p.node, "node_rank": p.index, "attempt": status.attempt}
-        if p.phase == "Failed":
-            reason = "DisruptionTarget" if p.disruption and p.exit_code != ExitCode.PREEMPTED else None
+        if p.phase == PodPhase.FAILED:
+            reason = Reason.DISRUPTION_TARGET if p.disruption and p.exit_code != ExitCode.PREEMPTED else None
             out.append(FailureInfo(
-                **where, exit_code=p.exit_code, reason=reason or p.reason or "Error",
+                **where, exit_code=p.exit_code, reason=reason or p.reason or Reason.ERROR,
                 message=p.message or p.disruption or f"trainer container exited with code {p.exit_code}",
                 time=p.finished_at or ts,
             ))  # fmt: skip
         elif (lost := node_lost(job, obs, p.node, now)) and p.phase not in POD_FINISHED:
-            out.append(FailureInfo(**where, reason="NodeLost", message=lost, time=ts))
+            out.append(FailureInfo(**where, reason=Reason.NODE_LOST, message=lost, time=ts))
         elif p.deleting and p.phase not in POD_FINISHED:
             if p.disruption:
-                reason, message = "DisruptionTarget", p.disruption
+                reason, message = Reason.DISRUPTION_TARGET, p.disruption
             else:
-                reason, message = "PodDeleted", "pod is being deleted (by a user or a controller)"
+                reason, message = Reason.POD_DELETED, "pod is being deleted (by a user or a controller)"
             out.append(FailureInfo(**where, reason=reason, message=message, time=p.deleted_at or ts))
     for index in _missing_indices(job, status, obs):
         name = pod_name(job, index)
@@ -98,14 +115,14 @@ def current_failures(
         if last is None and (since is None or (now - since).total_seconds() < MISSING_GRACE_SECONDS):
             continue  # why it went is not known yet
         if last and last.disruption:
-            reason, message = "DisruptionTarget", last.disruption
+            reason, message = Reason.DISRUPTION_TARGET, last.disruption
         elif last is None and name in obs.unwatched:
             # An eviction, a preemption or a node's garbage collection while the operator was down looks
             # like this: the benefit of the doubt, as a disruption, rather than a restart the code is blamed for.
-            reason, message = "PodVanished", (f"pod {name} went while the operator was not watching; why is not "
+            reason, message = Reason.POD_VANISHED, (f"pod {name} went while the operator was not watching; why is not "
                                               f"known, so it counts as a disruption")  # fmt: skip
         else:
-            reason, message = "PodDeleted", f"pod {name} disappeared"
+            reason, message = Reason.POD_DELETED, f"pod {name} disappeared"
         out.append(FailureInfo(
             pod=name, node=last.node if last else None, node_rank=index, reason=reason, message=message,
             attempt=status.attempt, time=ts,
@@ -136,14 +153,14 @@ def store_lost(
     made again (`decide`)."""
     if not obs.store_listed or status.phase not in (Phase.STARTING, Phase.RUNNING):
         return None
-    if not any(p.attempt == status.attempt and p.phase == "Running" for p in obs.pods):
+    if not any(p.attempt == status.attempt and p.phase == PodPhase.RUNNING for p in obs.pods):
         return None
     store = obs.store
     message = "the rendezvous store pod disappeared" if store is None else store_trouble(job, obs, now)
     if message is None:
         return None
     return FailureInfo(
-        pod=store.name if store else None, node=store.node if store else None, reason="RendezvousLost",
+        pod=store.name if store else None, node=store.node if store else None, reason=Reason.RENDEZVOUS_LOST,
         message=message, attempt=status.attempt, time=iso(now),
     )  # fmt: skip
 
@@ -157,7 +174,7 @@ def recovery_overdue(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, 
         return None
     what = f"pod {rec.last.pod}" if rec.last and rec.last.pod else "a pod"
     message = f"training did not resume within {limit}s of replacing {what} alone (failurePolicy.inPlaceTimeoutSeconds)"
-    return FailureInfo(reason="InPlaceRecoveryTimeout", message=message, attempt=status.attempt, time=iso(now))
+    return FailureInfo(reason=Reason.IN_PLACE_RECOVERY_TIMEOUT, message=message, attempt=status.attempt, time=iso(now))
 
 
 def in_place_budget(job: ShardedTrainingJob) -> int:
@@ -225,7 +242,7 @@ def hang(
         quiet = (now - latest(progress.observed_at, hearing_since)).total_seconds()
         if fp.hang_timeout_seconds and quiet > fp.hang_timeout_seconds:
             message = f"no new progress report for {quiet:.0f}s (hangTimeoutSeconds {fp.hang_timeout_seconds})"
-            return FailureInfo(reason="Hang", message=message, attempt=status.attempt, time=iso(now))
+            return FailureInfo(reason=Reason.HANG, message=message, attempt=status.attempt, time=iso(now))
         return None
     running_since = running_condition_since(status)
     if fp.startup_timeout_seconds and running_since:
@@ -235,7 +252,7 @@ def hang(
                 f"no progress report {waited:.0f}s after every pod ran (startupTimeoutSeconds "
                 f"{fp.startup_timeout_seconds})"
             )
-            return FailureInfo(reason="StartupTimeout", message=message, attempt=status.attempt, time=iso(now))
+            return FailureInfo(reason=Reason.STARTUP_TIMEOUT, message=message, attempt=status.attempt, time=iso(now))
     return None
 
 

@@ -10,7 +10,8 @@ import datetime as dt
 
 from sharded_api.contract import iso, parse_iso
 from sharded_operator.api.models import ShardedTrainingJob
-from sharded_operator.api.status import FINISHED, ConditionType, FailureInfo, Phase
+from sharded_operator.api.reasons import EventType, Reason
+from sharded_operator.api.status import FINISHED, ConditionType, FailureInfo, Phase, PodPhase
 from sharded_operator.decide.failure import (
     current_failures,
     first_failure,
@@ -42,7 +43,9 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     plan = Plan(status=status)
     plan.force_delete = stuck_on_lost_nodes(job, obs, now)
     for pod in plan.force_delete:
-        plan.events.append(("Warning", "ForceDeleted", f"pod {pod} is on a lost node: deleted without its grace"))
+        plan.events.append(
+            (EventType.WARNING, Reason.FORCE_DELETED, f"pod {pod} is on a lost node: deleted without its grace")
+        )
 
     if status.phase in FINISHED:
         return _finished(job, plan, obs, now)
@@ -51,8 +54,8 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         status.attempt = 1
         status.start_time = status.start_time or ts
         status.active_since = ts
-        set_phase(status, Phase.PENDING, "Created", "creating pods", ts)
-        set_condition(status, ConditionType.CREATED, True, "Created", "job accepted", ts)
+        set_phase(status, Phase.PENDING, Reason.CREATED, "creating pods", ts)
+        set_condition(status, ConditionType.CREATED, True, Reason.CREATED, "job accepted", ts)
     current = [p for p in obs.pods if p.attempt == status.attempt]
     stale = [p for p in obs.pods if p.attempt != status.attempt]
 
@@ -62,20 +65,24 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         own = spec.run_policy.termination_grace_seconds
         plan.grace_seconds = grace["suspend"] if own is None else own
         if status.phase != Phase.SUSPENDED:
-            plan.events.append(("Normal", "Suspended", "deleting pods; the trainer checkpoints on SIGTERM"))
-        set_phase(status, Phase.SUSPENDED, "Suspended", "suspended: pods deleted, resume by setting suspend false", ts)
+            plan.events.append(
+                (EventType.NORMAL, Reason.SUSPENDED, "deleting pods; the trainer checkpoints on SIGTERM")
+            )
+        set_phase(
+            status, Phase.SUSPENDED, Reason.SUSPENDED, "suspended: pods deleted, resume by setting suspend false", ts
+        )
         set_ready(status, 0, spec.nodes)
         return plan
     if status.phase == Phase.SUSPENDED:  # resumed: a fresh attempt with a fresh rendezvous
         status.attempt += 1
         status.active_since = ts  # as for Jobs, the deadline counts from the resume
-        set_phase(status, Phase.PENDING, "Resumed", "resuming from the newest checkpoint", ts)
-        plan.events.append(("Normal", "Resumed", f"starting attempt {status.attempt}"))
+        set_phase(status, Phase.PENDING, Reason.RESUMED, "resuming from the newest checkpoint", ts)
+        plan.events.append((EventType.NORMAL, Reason.RESUMED, f"starting attempt {status.attempt}"))
         current, stale = [], list(obs.pods)
 
     if obs.foreign:  # a job of this name was deleted and its pods are still going: never adopt or wait on them
         set_phase(
-            status, status.phase or Phase.PENDING, "WaitingForPreviousJob",
+            status, status.phase or Phase.PENDING, Reason.WAITING_FOR_PREVIOUS_JOB,
             f"pods {', '.join(sorted(obs.foreign))} of a deleted job of the same name still exist", ts,
         )  # fmt: skip
         return plan
@@ -83,7 +90,7 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     deadline = spec.run_policy.active_deadline_seconds
     active = parse_iso(status.active_since or status.start_time)
     if deadline and active and (now - active).total_seconds() > deadline:
-        return _fail(job, plan, obs, "DeadlineExceeded", f"active for more than {deadline}s", now)
+        return _fail(job, plan, obs, Reason.DEADLINE_EXCEEDED, f"active for more than {deadline}s", now)
 
     follow_recovery(plan, obs, now, elastic=spec.elastic is not None)
     if _elastic_finished(job, current) or _session_ended(job, current):
@@ -109,14 +116,22 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
     surplus = [p.name for p in current if p.index >= spec.nodes and not p.deleting]
     if surplus:
         plan.delete += surplus
-        plan.events.append(("Normal", "ScalingDown", f"spec.nodes is {spec.nodes}: deleting {', '.join(surplus)}"))
+        plan.events.append(
+            (EventType.NORMAL, Reason.SCALING_DOWN, f"spec.nodes is {spec.nodes}: deleting {', '.join(surplus)}")
+        )
     current = [p for p in current if p.index < spec.nodes]
     plan.grace_seconds = grace["restart"]
     if stale:
-        set_phase(status, status.phase or Phase.PENDING, "WaitingForOldPods", "waiting for the previous pods to go", ts)
+        set_phase(
+            status,
+            status.phase or Phase.PENDING,
+            Reason.WAITING_FOR_OLD_PODS,
+            "waiting for the previous pods to go",
+            ts,
+        )
         return plan
 
-    if current and all(p.phase == "Succeeded" for p in current) and len(current) == spec.nodes:
+    if current and all(p.phase == PodPhase.SUCCEEDED for p in current) and len(current) == spec.nodes:
         return _succeed(job, plan, current, ts)
 
     present = {p.index for p in current}
@@ -126,12 +141,14 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
         # Pods created now would join through a store about to go: they wait for the next one instead.
         _drop_store(plan, obs, job, now)
         plan.create = []
-        set_phase(status, status.phase or Phase.PENDING, "WaitingForRendezvousStore", trouble, ts)
+        set_phase(status, status.phase or Phase.PENDING, Reason.WAITING_FOR_RENDEZVOUS_STORE, trouble, ts)
         return plan
-    running = [p for p in current if p.phase == "Running"]
+    running = [p for p in current if p.phase == PodPhase.RUNNING]
     set_ready(status, len(running), spec.nodes)
     if plan.create and not current:
-        plan.events.append(("Normal", "Creating", f"creating {spec.nodes} pods for attempt {status.attempt}"))
+        plan.events.append(
+            (EventType.NORMAL, Reason.CREATING, f"creating {spec.nodes} pods for attempt {status.attempt}")
+        )
     rec = recovery_of(status)
     if rec and rec.since:
         what = rec.last.pod if rec.last else "a pod"
@@ -139,18 +156,22 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
             f"attempt {status.attempt}: recovering in place from {what}; {len(running)}/{spec.nodes} nodes running, "
             "the others wait at the next rendezvous round"
         )
-        set_phase(status, Phase.RUNNING, "RecoveringInPlace", message, ts)
+        set_phase(status, Phase.RUNNING, Reason.RECOVERING_IN_PLACE, message, ts)
     elif len(running) == spec.nodes:
         if status.phase != Phase.RUNNING:
-            plan.events.append(("Normal", "Running", f"all {spec.nodes} nodes running (attempt {status.attempt})"))
+            plan.events.append(
+                (EventType.NORMAL, Reason.RUNNING, f"all {spec.nodes} nodes running (attempt {status.attempt})")
+            )
         doing = "training"
         if spec.interactive:
             doing = f"interactive, JupyterLab on node 0 port {spec.interactive.port} (its log has the token)"
-        set_phase(status, Phase.RUNNING, "AllNodesRunning", f"attempt {status.attempt}: {doing}", ts)
+        set_phase(status, Phase.RUNNING, Reason.ALL_NODES_RUNNING, f"attempt {status.attempt}: {doing}", ts)
     else:
-        stuck = next((p for p in sorted(current, key=lambda p: p.index) if p.stuck and p.phase == "Pending"), None)
+        stuck = next(
+            (p for p in sorted(current, key=lambda p: p.index) if p.stuck and p.phase == PodPhase.PENDING), None
+        )
         message = f"{len(running)}/{spec.nodes} nodes running" + (f"; pod {stuck.name}: {stuck.stuck}" if stuck else "")
-        set_phase(status, Phase.STARTING, "PodsStarting", message, ts)
+        set_phase(status, Phase.STARTING, Reason.PODS_STARTING, message, ts)
     record_stuck(plan, job, current, now)
     return plan
 
@@ -162,21 +183,23 @@ def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], no
         return
     stuck = [
         p for p in sorted(current, key=lambda p: p.index)
-        if p.stuck and p.phase == "Pending" and (since := parse_iso(p.stuck_since))
+        if p.stuck and p.phase == PodPhase.PENDING and (since := parse_iso(p.stuck_since))
         and (now - since).total_seconds() >= timeout
     ]  # fmt: skip
     verdict = None
     if stuck:
         reason = stuck[0].stuck.split(":", 1)[0]
         verdict = (reason, f"pod {stuck[0].name} stuck for more than {timeout}s: {stuck[0].stuck}")
-    announce(plan, ConditionType.PODS_STUCK, verdict, event="PodsStuck", cleared="PodsStarted", now=iso(now))
+    announce(
+        plan, ConditionType.PODS_STUCK, verdict, event=Reason.PODS_STUCK, cleared=Reason.PODS_STARTED, now=iso(now)
+    )
 
 
 def _follow_size(job: ShardedTrainingJob, plan: Plan, now: dt.datetime) -> None:
     """desiredNodes and currentNodes (the round rank 0 of this attempt trains in), and an event on a resize."""
     status, spec = plan.status, job.spec
     if status.desired_nodes not in (None, spec.nodes):
-        plan.events.append(("Normal", "Resizing", f"nodes {status.desired_nodes} -> {spec.nodes}"))
+        plan.events.append((EventType.NORMAL, Reason.RESIZING, f"nodes {status.desired_nodes} -> {spec.nodes}"))
     status.desired_nodes = spec.nodes
     progress = status.progress
     status.current_nodes = progress.nodes if progress and progress.attempt == status.attempt else None
@@ -186,24 +209,24 @@ def _elastic_finished(job: ShardedTrainingJob, current: list[PodView]) -> bool:
     """With elastic, training is over once minNodes pods of the attempt succeeded: a pod exits 0 only when
     every rank of its round finished the last step."""
     elastic = job.spec.elastic
-    return elastic is not None and sum(p.phase == "Succeeded" for p in current) >= elastic.min_nodes
+    return elastic is not None and sum(p.phase == PodPhase.SUCCEEDED for p in current) >= elastic.min_nodes
 
 
 def _session_ended(job: ShardedTrainingJob, current: list[PodView]) -> bool:
     """An interactive job is over when JupyterLab on node 0 exited 0; the idle nodes never end by themselves."""
-    return job.spec.interactive is not None and any(p.index == 0 and p.phase == "Succeeded" for p in current)
+    return job.spec.interactive is not None and any(p.index == 0 and p.phase == PodPhase.SUCCEEDED for p in current)
 
 
 def _succeed(job: ShardedTrainingJob, plan: Plan, current: list[PodView], ts: str) -> Plan:
     """Pods that never joined the last round (a replacement still pending, a straggler) are deleted, not judged."""
     status, nodes = plan.status, job.spec.nodes
-    done = [p for p in current if p.phase == "Succeeded"]
-    plan.delete += [p.name for p in current if p.phase != "Succeeded" and not p.deleting]
+    done = [p for p in current if p.phase == PodPhase.SUCCEEDED]
+    plan.delete += [p.name for p in current if p.phase != PodPhase.SUCCEEDED and not p.deleting]
     status.completion_time = ts
     set_ready(status, 0, nodes)
-    set_phase(status, Phase.SUCCEEDED, "Completed", f"all {len(done)} nodes finished", ts)
+    set_phase(status, Phase.SUCCEEDED, Reason.COMPLETED, f"all {len(done)} nodes finished", ts)
     what = "the interactive session ended" if job.spec.interactive else "training finished"
-    plan.events.append(("Normal", "Succeeded", f"{what} after {status.restarts} restarts"))
+    plan.events.append((EventType.NORMAL, Reason.SUCCEEDED, f"{what} after {status.restarts} restarts"))
     return plan
 
 
@@ -230,10 +253,10 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
         f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
     )
     if is_permanent(job, failure):
-        return _fail(job, plan, obs, "PermanentFailure", f"{detail}; exit code is permanent", now)
+        return _fail(job, plan, obs, Reason.PERMANENT_FAILURE, f"{detail}; exit code is permanent", now)
     counted = fp.count_disruptions or not is_disruption(failure)
     if counted and status.restarts >= fp.backoff_limit:
-        return _fail(job, plan, obs, "BackoffLimitExceeded", f"{detail}; {fp.backoff_limit} restarts used", now)
+        return _fail(job, plan, obs, Reason.BACKOFF_LIMIT_EXCEEDED, f"{detail}; {fp.backoff_limit} restarts used", now)
     if counted:
         status.restarts += 1
         budget = f"restart {status.restarts}/{fp.backoff_limit}"
@@ -243,14 +266,14 @@ def _restart_or_fail(job, plan: Plan, obs: Observed, failure: FailureInfo, grace
     status.attempt += 1
     status.recovery = None
     plan.delete = [p.name for p in obs.pods if not p.deleting]
-    if failure.reason == "RendezvousLost" or store_trouble(job, obs, now):  # made again with the next pods
+    if failure.reason == Reason.RENDEZVOUS_LOST or store_trouble(job, obs, now):  # made again with the next pods
         _drop_store(plan, obs, job, now)
     plan.grace_seconds = grace
     set_ready(status, 0, job.spec.nodes)
     set_phase(
         status, Phase.RESTARTING, failure.reason, f"{detail}; restarting the gang as attempt {status.attempt}", iso(now)
     )
-    plan.events.append(("Warning", "Restarting", f"{detail}; {budget}"))
+    plan.events.append((EventType.WARNING, Reason.RESTARTING, f"{detail}; {budget}"))
     return plan
 
 
@@ -259,7 +282,7 @@ def _fail(job, plan: Plan, obs: Observed, reason: str, message: str, now: dt.dat
     status.completion_time = iso(now)
     set_ready(status, 0, job.spec.nodes)
     set_phase(status, Phase.FAILED, reason, message, iso(now))
-    plan.events.append(("Warning", reason, message))
+    plan.events.append((EventType.WARNING, reason, message))
     return _finished(job, plan, obs, now)
 
 

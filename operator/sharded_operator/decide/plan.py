@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sharded_operator.api.reasons import EventType, Reason
 from sharded_operator.api.status import Condition, ConditionType, Phase, ShardedTrainingJobStatus
 
 # The conditions set_phase keeps in step with the phase.
@@ -63,7 +64,7 @@ def set_phase(status: ShardedTrainingJobStatus, phase: Phase, reason: str, messa
 def record_refusal(plan: Plan, refusal: tuple[str, str] | None, now: str) -> None:
     """What the API server said to the last creates: a refusal (reason, its own message) sets the
     CreateRefused condition and, when it is new, an event; creates going through clear it."""
-    announce(plan, ConditionType.CREATE_REFUSED, refusal, event="FailedCreate", cleared="Created", now=now,
+    announce(plan, ConditionType.CREATE_REFUSED, refusal, event=Reason.FAILED_CREATE, cleared=Reason.CREATED, now=now,
               again_on_new_message=True)  # fmt: skip
     if refusal:
         plan.status.message = f"the API server refused to create the job's pods: {refusal[1]}"
@@ -90,5 +91,5 @@ def announce(
         return
     reason, message = verdict
     if not active or (again_on_new_message and old.message != message):
-        plan.events.append(("Warning", event, message))
+        plan.events.append((EventType.WARNING, event, message))
     set_condition(status, type_, True, reason, message, now)

@@ -18,6 +18,7 @@ from typing import Any
 
 from sharded_api.contract import ProgressReport, TrainerEventType, parse_iso
 from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_JOB
+from sharded_operator.api.reasons import EventType
 from sharded_operator.api.status import CheckpointStatus, Progress, ShardedTrainingJobStatus, TrainerEventCursor
 from sharded_operator.decide.views import controller_uid
 
@@ -30,8 +31,8 @@ POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 # How each trainer event shows among the job's Kubernetes events.
 EVENT_TYPES = {
-    TrainerEventType.CHECKPOINT_SET_ASIDE: "Warning",
-    TrainerEventType.INCOMPATIBLE_CHECKPOINT: "Warning",
+    TrainerEventType.CHECKPOINT_SET_ASIDE: EventType.WARNING,
+    TrainerEventType.INCOMPATIBLE_CHECKPOINT: EventType.WARNING,
 }
 
 
@@ -145,7 +146,7 @@ def merge_report(
     new = [e for e in report.events if e.seq > seen]
     events = []
     for e in new:
-        events.append((EVENT_TYPES.get(e.type, "Normal"), e.type.value, e.message))
+        events.append((EVENT_TYPES.get(e.type, EventType.NORMAL), e.type.value, e.message))
         if e.type == TrainerEventType.RESUMED and e.checkpoint:
             patch["resumed_from"] = CheckpointStatus.model_validate(e.checkpoint.model_dump())
         if e.type == TrainerEventType.EXPORT_WRITTEN and e.checkpoint:

@@ -7,6 +7,7 @@ import datetime as dt
 
 from sharded_api.contract import iso, parse_iso
 from sharded_operator.api.models import ShardedTrainingJob
+from sharded_operator.api.reasons import EventType, Reason
 from sharded_operator.api.status import FailureInfo, InPlaceRecovery
 from sharded_operator.decide.failure import in_place_budget, recovery_of
 from sharded_operator.decide.plan import Plan
@@ -37,10 +38,9 @@ def follow_recovery(plan: Plan, obs: Observed, now: dt.datetime, *, elastic: boo
         and progress.run not in (None, rec.run) and observed and observed >= since
     ):  # fmt: skip
         what = rec.last.pod if rec.last else "a pod"
-        plan.events.append(
-            ("Normal", "RecoveredInPlace", f"training resumed {(observed - since).total_seconds():.0f}s after {what} "
-             f"was replaced alone (step {progress.step})")
-        )  # fmt: skip
+        took = (observed - since).total_seconds()
+        message = f"training resumed {took:.0f}s after {what} was replaced alone (step {progress.step})"
+        plan.events.append((EventType.NORMAL, Reason.RECOVERED_IN_PLACE, message))
         rec.since = None
 
 
@@ -76,7 +76,8 @@ def replace_alone(
     names = ", ".join(f.pod or "" for f in failures)
     exited = f" exited with {failure.exit_code}" if failure.exit_code is not None else ""
     detail = f"{failure.reason}: {names}{exited}"
-    plan.events.append(
-        ("Warning", "ReplacingPod", f"{detail}; replacing it alone ({rec.replacements}/{in_place_budget(job)} in "
-         f"attempt {status.attempt}); the other nodes wait for it at the next rendezvous round")
-    )  # fmt: skip
+    message = (
+        f"{detail}; replacing it alone ({rec.replacements}/{in_place_budget(job)} in attempt {status.attempt}); "
+        "the other nodes wait for it at the next rendezvous round"
+    )
+    plan.events.append((EventType.WARNING, Reason.REPLACING_POD, message))

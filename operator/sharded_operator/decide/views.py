@@ -9,9 +9,10 @@ from typing import Any
 
 from sharded_api.contract import iso, parse_iso
 from sharded_operator.api.models import CONTAINER, LABEL_ATTEMPT, LABEL_INDEX
+from sharded_operator.api.status import PodPhase
 
 # Kubernetes pod phases (the pod's, not the job's).
-POD_FINISHED = ("Succeeded", "Failed")
+POD_FINISHED = (PodPhase.SUCCEEDED, PodPhase.FAILED)
 
 
 # Container waiting reasons that do not go away by waiting: the pod needs someone's attention.
@@ -112,7 +113,7 @@ class PodView:
             name=meta["name"],
             index=int(labels.get(LABEL_INDEX, -1)),
             attempt=int(labels.get(LABEL_ATTEMPT, 0)),
-            phase=status.get("phase") or "Pending",
+            phase=status.get("phase") or PodPhase.PENDING,
             node=(pod.get("spec") or {}).get("nodeName"),
             deleting=bool(meta.get("deletionTimestamp")),
             ready="Ready" in conditions,

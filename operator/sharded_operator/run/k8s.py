@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sharded_operator.api.models import GROUP, KIND, PLURAL, VERSION, training_pods
+from sharded_operator.api.status import FINISHED
 from sharded_operator.run.apicalls import (
     Expired,
     Malformed,
@@ -141,7 +142,7 @@ class Kube:
         jobs = self.list_jobs(None)
         return [
             (j.get("status") or {}).get("hostPort") for j in jobs
-            if (j.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+            if (j.get("status") or {}).get("phase") not in FINISHED
         ]  # fmt: skip
 
     @retrying

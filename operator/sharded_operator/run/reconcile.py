@@ -16,6 +16,7 @@ from sharded_api.contract import iso
 from sharded_api.loading import format_validation_error
 from sharded_operator.api.models import ShardedTrainingJob
 from sharded_operator.api.overrides import forbidden
+from sharded_operator.api.reasons import EventType, Reason
 from sharded_operator.api.status import FINISHED, Phase, ShardedTrainingJobStatus
 from sharded_operator.decide.due import next_due
 from sharded_operator.decide.failure import missing_pods
@@ -246,8 +247,8 @@ def _reconcile(ctx: Context, snap: Snapshot, logger: logging.Logger) -> Outcome 
             if held or refusal:
                 # Not started: pods never created are not missing ones (which end a started attempt).
                 why = f"{held} of a deleted job of the same name still exists" if held else "the API server refused"
-                set_phase(plan.status, Phase.PENDING, "CreateRefused" if refusal else "WaitingForPreviousJob", why,
-                          iso(now))  # fmt: skip
+                reason = Reason.CREATE_REFUSED if refusal else Reason.WAITING_FOR_PREVIOUS_JOB
+                set_phase(plan.status, Phase.PENDING, reason, why, iso(now))
             record_refusal(plan, refusal, iso(now))
             # Nothing watched announces a held name freed or a quota freed: look again after a while.
             if held or refusal:
@@ -370,7 +371,7 @@ def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.L
         return Outcome(status, None)
     now = iso()
     status.completion_time = now
-    set_phase(status, Phase.FAILED, "InvalidSpec", message, now)
+    set_phase(status, Phase.FAILED, Reason.INVALID_SPEC, message, now)
     logger.error("invalid job: %s", message)
     dump = status.model_dump(by_alias=True, exclude_none=True, mode="json")
     uid = body["metadata"]["uid"]
@@ -378,6 +379,6 @@ def _invalid(ctx: Context, body: dict[str, Any], message: str, logger: logging.L
                                     resource_version=body["metadata"].get("resourceVersion"))  # fmt: skip
     if written:
         ctx.recent.status_written(uid, owned(dump), written.resource_version)
-        ctx.kube.event(body, "Warning", "InvalidSpec", message)
-    ctx.metrics.failures.labels("InvalidSpec").inc()
+        ctx.kube.event(body, EventType.WARNING, Reason.INVALID_SPEC, message)
+    ctx.metrics.failures.labels(Reason.INVALID_SPEC).inc()
     return Outcome(status, None)

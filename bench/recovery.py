@@ -123,12 +123,14 @@ class Bench:
     def training(self, past_step: int = 0) -> int:
         """Wait until the job trains past `past_step` with a checkpoint behind it; returns the step."""
 
-        def ok():
-            s = self.status()
-            return (s.get("progress") or {}).get("step", 0) > past_step + 6 and s.get("lastCheckpoint")
+        from sharded_operator.api.status import ShardedTrainingJobStatus
 
-        self.wait(ok, "training")
-        return self.status()["progress"]["step"]
+        def step() -> int:
+            s = ShardedTrainingJobStatus.model_validate(self.status())
+            return s.progress.step if s.progress and s.last_checkpoint else 0
+
+        self.wait(lambda: step() > past_step + 6, "training")
+        return step()
 
     def log_of(self, pod: dict) -> str:
         run = self.stack.agent.runs.get(pod["metadata"]["uid"])

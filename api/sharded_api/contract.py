@@ -195,8 +195,9 @@ class TrainerEvent(Wire):
     time: IsoTime = Field(..., description="When it happened.")
 
 
-class TrainingProgress(Wire):
-    """Where training stands, as rank 0 sees it."""
+class StepProgress(Wire):
+    """Where training stands at its last step, as rank 0 sees it: the job's `status.progress` is these fields as
+    reported."""
 
     step: Step = Field(..., description="Last completed optimizer step.")
     total_steps: Annotated[int, Field(ge=1, le=100_000_000)] | None = Field(None, description="Steps to train.")
@@ -208,7 +209,6 @@ class TrainingProgress(Wire):
     mfu: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] | None = Field(
         None, description="Model FLOPs utilisation, 0 to 1."
     )
-    last_checkpoint: CheckpointRef | None = Field(None, description="Newest committed checkpoint.")
     restart: Annotated[int, Field(ge=0, le=1000)] | None = Field(
         None, description="Times torchrun has restarted the workers in place before this run (0: the first run)."
     )
@@ -219,6 +219,12 @@ class TrainingProgress(Wire):
         None, description="Samples per optimizer step at this world size (micro batch x accumulation x processes)."
     )
     updated_at: IsoTime = Field(..., description="When the trainer wrote this (its own clock).")
+
+
+class TrainingProgress(StepProgress):
+    """Where training stands, with the newest committed checkpoint: what rank 0 keeps and reports."""
+
+    last_checkpoint: CheckpointRef | None = Field(None, description="Newest committed checkpoint.")
 
 
 class ProgressReport(TrainingProgress):

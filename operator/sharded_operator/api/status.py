@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
+from sharded_api.contract import CheckpointRef, IsoTime, Step, StepProgress
 from sharded_operator.api.spec import ApiModel
 
 
@@ -70,37 +71,26 @@ class Condition(StatusModel):
     last_transition_time: str | None = Field(None, description="When status last changed (RFC 3339).")
 
 
-class Progress(StatusModel):
-    """Training progress reported by rank 0."""
+class Progress(StatusModel, StepProgress):
+    """Training progress: the contract's fields as rank 0 reported them, with the report's attempt and trainer
+    process and when the operator first saw it."""
 
-    step: int = Field(0, ge=0, description="Last completed optimizer step.")
-    total_steps: int | None = Field(None, description="Steps the job trains for.")
-    loss: float | None = Field(None, description="Loss at `step`.")
-    eval_loss: float | None = Field(None, description="Loss on the held-out records at the last evaluation.")
-    tokens_per_second: float | None = Field(None, description="Throughput over all processes.")
-    mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs).")
-    updated_at: str | None = Field(None, description="When rank 0 wrote this report, by its own clock (RFC 3339).")
+    model_config = ConfigDict(extra="ignore", frozen=False)
+
+    # Read leniently: a status is read whatever wrote it, and a job with no report yet has step 0.
+    step: Step = Field(0, description=StepProgress.model_fields["step"].description)
+    updated_at: IsoTime | None = Field(None, description=StepProgress.model_fields["updated_at"].description)
     attempt: int | None = Field(None, ge=0, description="Attempt the report came from.")
     run: str | None = Field(None, description="The reporting trainer process (a new one after each in-place restart).")
-    restart: int | None = Field(None, ge=0, description="torchrun's restart count on the reporting node.")
-    nodes: int | None = Field(None, ge=1, description="Nodes in the rendezvous round training runs with.")
-    global_batch_size: int | None = Field(
-        None,
-        ge=1,
-        description="Samples per optimizer step at the current world size (nearest to "
-        "trainer.globalBatchSize when that does not divide).",
-    )
     observed_at: str | None = Field(
         None, description="When the operator first saw this report (its clock; hang detection counts from here)."
     )
 
 
-class CheckpointStatus(StatusModel):
-    """The newest complete checkpoint."""
+class CheckpointStatus(StatusModel, CheckpointRef):
+    """The newest complete checkpoint, as the trainer reported it."""
 
-    step: int = Field(..., description="Step the checkpoint holds.")
-    path: str = Field(..., description="Directory of the checkpoint inside the claim.")
-    time: str | None = Field(None, description="When it was committed (RFC 3339).")
+    model_config = ConfigDict(extra="ignore", frozen=False)
 
 
 class FailureInfo(StatusModel):

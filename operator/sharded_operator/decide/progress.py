@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sharded_api.contract import ProgressReport, TrainerEventType, parse_iso
+from sharded_api.contract import ProgressReport, StepProgress, TrainerEventType, parse_iso
 from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_JOB
 from sharded_operator.api.reasons import EventType
 from sharded_operator.api.status import CheckpointStatus, Progress, ShardedTrainingJobStatus, TrainerEventCursor
@@ -130,18 +130,16 @@ def merge_report(
         return {}, []  # status already holds a newer one (another replica wrote it): nothing goes backwards
     same = old is not None and (old.attempt, old.step, old.updated_at) == (report.attempt, report.step,
                                                                            report.updated_at)  # fmt: skip
+    # Every field of the contract's StepProgress, as reported: status.progress is built from that model.
+    reported = report.model_dump(include=set(StepProgress.model_fields))
     progress = Progress(
-        step=report.step, total_steps=report.total_steps, loss=report.loss, eval_loss=report.eval_loss,
-        tokens_per_second=report.tokens_per_second,
-        mfu=report.mfu, updated_at=report.updated_at, attempt=report.attempt, run=report.run, restart=report.restart,
-        nodes=report.nodes, global_batch_size=report.global_batch_size,
-        observed_at=old.observed_at if same and old else now,
-    )  # fmt: skip
+        **reported, attempt=report.attempt, run=report.run, observed_at=old.observed_at if same and old else now
+    )
     patch: dict[str, Any] = {"progress": progress}
     if restarted_in_place(old, report):
         patch["in_place_restarts"] = status.in_place_restarts + 1
     if report.last_checkpoint:
-        patch["last_checkpoint"] = CheckpointStatus.model_validate(report.last_checkpoint.model_dump())
+        patch["last_checkpoint"] = CheckpointStatus(**report.last_checkpoint.model_dump())
     seen = acknowledged(status, report)
     new = [e for e in report.events if e.seq > seen]
     events = []

@@ -17,27 +17,23 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sharded_api.contract import parse_iso
-from sharded_operator.api.status import FINISHED, Phase, ShardedTrainingJobStatus
+from sharded_operator.api.status import FINISHED, Phase, Progress, ShardedTrainingJobStatus
 
 PREFIX = "sharded_training_"
 # `job_name`, not `job`: Prometheus gives `job` to the scrape job (as kube-state-metrics, which says job_name).
 LABELS = ["namespace", "job_name"]
-# name -> help; every one a gauge labelled (namespace, job)
+# The gauges, each labelled (namespace, job): the numbers of the progress rank 0 reports (the contract's
+# StepProgress, as status.progress holds them), the newest checkpoint's, and the status' own counters, each
+# named after its field and described as the status model describes it.
+PROGRESS_GAUGES = ("step", "total_steps", "loss", "eval_loss", "tokens_per_second", "mfu", "global_batch_size")
+STATUS_GAUGES = (
+    "restarts", "disruptions", "in_place_restarts", "pod_replacements", "current_nodes", "desired_nodes", "attempt",
+)  # fmt: skip
 GAUGES = {
-    "step": "Last completed optimizer step",
-    "total_steps": "Steps the job trains for",
-    "loss": "Training loss at the last reported step",
-    "tokens_per_second": "Training throughput over all processes",
-    "mfu": "Model FLOPs utilisation (GPU runs)",
+    **{n: Progress.model_fields[n].description or n for n in PROGRESS_GAUGES},
     "checkpoint_step": "Step of the newest complete checkpoint",
     "checkpoint_age_seconds": "Seconds since the newest complete checkpoint was committed",
-    "restarts": "Gang restarts counted against the backoff limit",
-    "disruptions": "Restarts caused by disruptions (evictions, preemption, node loss)",
-    "in_place_restarts": "Worker restarts inside running pods, no pod recreated",
-    "pod_replacements": "Pods replaced alone while the others kept running",
-    "current_nodes": "Nodes in the rendezvous round training runs with",
-    "desired_nodes": "Nodes the spec asks for",
-    "attempt": "Current attempt",
+    **{n: ShardedTrainingJobStatus.model_fields[n].description or n for n in STATUS_GAUGES},
 }
 PHASE_METRIC = PREFIX + "phase"
 NOT_EXPORTED = PREFIX + "jobs_not_exported"
@@ -55,14 +51,9 @@ class Row:
 
 def row_of(namespace: str, job: str, status: ShardedTrainingJobStatus) -> Row:
     p, ckpt = status.progress, status.last_checkpoint
-    values = {
-        "step": p and p.step, "total_steps": p and p.total_steps, "loss": p and p.loss,
-        "tokens_per_second": p and p.tokens_per_second, "mfu": p and p.mfu,
-        "checkpoint_step": ckpt and ckpt.step, "restarts": status.restarts, "disruptions": status.disruptions,
-        "in_place_restarts": status.in_place_restarts, "attempt": status.attempt,
-        "pod_replacements": status.pod_replacements, "current_nodes": status.current_nodes,
-        "desired_nodes": status.desired_nodes,
-    }  # fmt: skip
+    values: dict[str, float | None] = {n: p and getattr(p, n) for n in PROGRESS_GAUGES}
+    values |= {n: getattr(status, n) for n in STATUS_GAUGES}
+    values["checkpoint_step"] = ckpt and ckpt.step
     when = parse_iso(ckpt.time) if ckpt is not None and ckpt.time else None
     return Row(namespace, job, status.phase, values, when.timestamp() if when else None)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sharded_operator.api import overrides
-from sharded_operator.api.overrides import ROWS, Allow, forbidden, outside
+from sharded_operator.api.overrides import NAMES, ROWS, Allow, PodOverride, forbidden, outside
 from sharded_operator.render import podspec
 from sharded_operator.settings import OperatorSettings
 from support.jobs import make_job
@@ -100,3 +100,8 @@ def test_the_security_model_in_the_docs_lists_exactly_the_tables_rows():
     assert overrides.table() in docs, (
         "paste sharded_operator.api.overrides.table() into docs/install.md's Security model"
     )
+
+
+def test_every_named_pod_override_has_exactly_one_row():
+    """The names the chart, the settings and the policy use are the enum's, each a row of the allowlist once."""
+    assert sorted(NAMES) == sorted(PodOverride.__members__.values()) and len(set(NAMES)) == len(ROWS)

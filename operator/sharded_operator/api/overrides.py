@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import yaml
@@ -31,6 +32,24 @@ PROJECTED_SOURCES = ("configMap", "downwardAPI")
 CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_RDMA_RESOURCE = "rdma/ib"
+
+
+class PodOverride(StrEnum):
+    """The rows of the allowlist by name: what `forbidPodOverrides` (the chart value, the operator setting)
+    names, and the admission policy's and the operator's checks are keyed by."""
+
+    VOLUMES = "volumes"
+    ANNOTATIONS = "annotations"
+    HOST_NETWORK = "hostNetwork"
+    INFINIBAND = "infiniband"
+    HOST_PORT = "hostPort"
+    TOLERATIONS = "tolerations"
+    CONTROL_PLANE = "controlPlane"
+    SERVICE_ACCOUNT_NAME = "serviceAccountName"
+    SECRET_ENV = "secretEnv"
+    LABELS = "labels"
+    CONTAINER_SECURITY_CONTEXT = "containerSecurityContext"
+    CONTAINER_SECRET_ENV = "containerSecretEnv"
 
 
 @dataclass(frozen=True)
@@ -143,7 +162,7 @@ class Override:
     through `within`.
     """
 
-    name: str
+    name: PodOverride
     field: str
     gives: str
     cel: str
@@ -157,7 +176,7 @@ class Override:
 
 ROWS: tuple[Override, ...] = (
     Override(
-        "volumes",
+        PodOverride.VOLUMES,
         "spec.pod.volumes",
         "a volume other than emptyDir, configMap, downwardAPI, persistentVolumeClaim or a projected configMap/"
         "downwardAPI (a Secret, a ServiceAccount token, hostPath, a network or CSI volume)",
@@ -198,7 +217,7 @@ ROWS: tuple[Override, ...] = (
         ),
     ),
     Override(
-        "annotations",
+        PodOverride.ANNOTATIONS,
         "spec.pod.annotations",
         "a pod annotation outside the prefixes the cluster admin allows (cloud IAM roles, AppArmor profiles)",
         _opt(
@@ -213,7 +232,7 @@ ROWS: tuple[Override, ...] = (
         ),
     ),
     Override(
-        "hostNetwork",
+        PodOverride.HOST_NETWORK,
         "spec.network.hostNetwork",
         "the host network outside the InfiniBand profile",
         "!has(object.spec.network) || !has(object.spec.network.hostNetwork) || !object.spec.network.hostNetwork || "
@@ -226,7 +245,7 @@ ROWS: tuple[Override, ...] = (
         risky=({"network.hostNetwork": True},),
     ),
     Override(
-        "infiniband",
+        PodOverride.INFINIBAND,
         "spec.network.infiniband",
         "the InfiniBand profile (IPC_LOCK, the host network) without GPUs, or with GPU or RDMA resource names "
         "other than the cluster's",
@@ -248,7 +267,7 @@ ROWS: tuple[Override, ...] = (
         ),
     ),
     Override(
-        "hostPort",
+        PodOverride.HOST_PORT,
         "spec.pod.initContainers/sidecars[].ports",
         "a hostPort (a port of the node's own address)",
         _each_container("!has(c.ports) || c.ports.all(p, !has(p.hostPort))"),
@@ -259,7 +278,7 @@ ROWS: tuple[Override, ...] = (
         safe=({"pod.sidecars": [{"name": "s", "image": "i", "ports": [{"containerPort": 80}]}]},),
     ),
     Override(
-        "tolerations",
+        PodOverride.TOLERATIONS,
         "spec.scheduling.tolerations",
         "a toleration that names no taint key, or a control-plane taint",
         _opt(
@@ -276,7 +295,7 @@ ROWS: tuple[Override, ...] = (
         safe=({"scheduling.tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},),
     ),
     Override(
-        "controlPlane",
+        PodOverride.CONTROL_PLANE,
         "spec.scheduling.nodeSelector/affinity",
         "placement on control-plane nodes",
         _CONTROL_PLANE_CEL,
@@ -302,7 +321,7 @@ ROWS: tuple[Override, ...] = (
         safe=({"scheduling.nodeSelector": {"nvidia.com/gpu.product": "H200"}},),
     ),
     Override(
-        "serviceAccountName",
+        PodOverride.SERVICE_ACCOUNT_NAME,
         "spec.pod.serviceAccountName",
         "another ServiceAccount",
         f"!has({_POD}) || !has({_POD}.serviceAccountName)",
@@ -310,7 +329,7 @@ ROWS: tuple[Override, ...] = (
         risky=({"pod.serviceAccountName": "admin"},),
     ),
     Override(
-        "secretEnv",
+        PodOverride.SECRET_ENV,
         "spec.pod.env",
         "an env value from a Secret",
         _opt(f"{_POD}.env", f"{_POD}.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))"),
@@ -318,7 +337,7 @@ ROWS: tuple[Override, ...] = (
         risky=({"pod.env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},),
     ),
     Override(
-        "labels",
+        PodOverride.LABELS,
         "spec.pod.labels",
         "an extra pod label (which can join other Services)",
         _opt(f"{_POD}.labels", f"size({_POD}.labels) == 0"),
@@ -327,7 +346,7 @@ ROWS: tuple[Override, ...] = (
     ),
     # Without one, an added container gets the trainer's restricted securityContext; its own can ask for more.
     Override(
-        "containerSecurityContext",
+        PodOverride.CONTAINER_SECURITY_CONTEXT,
         "spec.pod.initContainers/sidecars",
         "a securityContext of an added container",
         _each_container("!has(c.securityContext)"),
@@ -336,7 +355,7 @@ ROWS: tuple[Override, ...] = (
     ),
     # An added container's own env is a second way to a Secret: the same check as spec.pod.env.
     Override(
-        "containerSecretEnv",
+        PodOverride.CONTAINER_SECRET_ENV,
         "spec.pod.initContainers/sidecars[].env",
         "an env value from a Secret in an added container",
         _each_container(f"{_NO_SECRET_ENV} && {_NO_SECRET_ENV_FROM}"),
@@ -361,7 +380,7 @@ ROWS: tuple[Override, ...] = (
         ),
     ),
 )
-NAMES: tuple[str, ...] = tuple(row.name for row in ROWS)
+NAMES: tuple[str, ...] = tuple(row.name.value for row in ROWS)
 
 
 def outside(spec: BaseModel | dict, allow: Allow) -> list[Override]:

@@ -113,3 +113,17 @@ def is_quantity(s: object) -> bool:
 def quantity_value(q: int | str) -> Decimal:
     """An int (as the API accepts for int-or-string fields) or a quantity string, as a number."""
     return Decimal(q) if isinstance(q, int) else parse_quantity(q)
+
+
+def memory_bytes(text: str) -> float:
+    """A memory size as Kubernetes writes one (`80Gi`, `141G`, `1e9`; `m` is milli, as everywhere in
+    Kubernetes), a trailing `B` allowed (`80GiB`), as bytes: at least 1 MiB and finite. ValueError otherwise,
+    naming the text."""
+    t = text.strip()
+    try:
+        size = float(parse_quantity(t[:-1] if t.endswith("B") and len(t) > 1 and not t[-2].isdigit() else t))
+    except (QuantityError, OverflowError):
+        size = 0.0
+    if not 2**20 <= size < float("inf"):
+        raise ValueError(f"{text[:40]!r} is not a memory size: write one such as 80Gi")
+    return size

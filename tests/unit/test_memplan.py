@@ -14,6 +14,7 @@ import auto_check
 import pytest
 from memplan_check import held_out_runs
 
+from sharded_api.quantity import memory_bytes
 from sharded_trainer import memplan
 from sharded_trainer.memplan import GIB, Job, Setting, estimate, load_shape
 
@@ -126,11 +127,12 @@ def test_the_plan_command_prints_the_table():
 
 
 def test_gpu_memory_is_read_as_kubernetes_quantities():
-    assert memplan.parse_memory("80Gi") == 80 * GIB and memplan.parse_memory("141G") == 141e9
-    assert memplan.parse_memory("80GiB") == 80 * GIB
-    for hostile in ("nan", "inf", "-80Gi", "0", "1e400Gi", "80 parsecs", "", "Gi"):
+    assert memory_bytes("80Gi") == 80 * GIB and memory_bytes("141G") == 141e9 and memory_bytes("2e9") == 2e9
+    assert memory_bytes("80GiB") == 80 * GIB
+    # "m" is milli, as in every Kubernetes quantity (80m bytes is no memory size), never mega
+    for hostile in ("nan", "inf", "-80Gi", "0", "1e400Gi", "80 parsecs", "", "Gi", "B", "800m", "80g"):
         with pytest.raises(ValueError, match="is not a memory size: write one such as 80Gi"):
-            memplan.parse_memory(hostile)
+            memory_bytes(hostile)
     out = sharded("plan", "-f", "examples/fsdp-8gpu-infiniband.yaml", "--gpu-memory", "nanGi")
     assert out.returncode == 1 and "error: --gpu-memory 'nanGi' is not a memory size" in out.stderr, out.stderr
 

@@ -16,6 +16,7 @@ import sys
 
 from sharded_api.contract import ExitCode
 from sharded_api.loading import ConfigError, load_config
+from sharded_api.quantity import memory_bytes
 from sharded_trainer.launch import record_exit
 from sharded_trainer.reporting.progress import target_from_env
 
@@ -56,7 +57,7 @@ def _plan(argv: list[str]) -> int:
     a = _plan_parser().parse_args(argv)
     try:
         shape = memplan.load_shape(a.model)
-        gpu = memplan.parse_memory(a.gpu_memory)
+        gpu = memory_bytes(a.gpu_memory)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.INVALID_CONFIG

@@ -299,20 +299,6 @@ def usable(gpu_bytes: float) -> float:
     return MARGIN * gpu_bytes - HEADROOM
 
 
-def parse_memory(text: str) -> float:
-    """`80Gi`, `141G`, `80GiB` or bytes; ValueError for anything else, or under 1 MiB, or not finite."""
-    units = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-    t = text.strip().lower().removesuffix("b")
-    unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), "")
-    try:
-        size = float(t[: len(t) - len(unit)]) * units.get(unit, 1)
-    except ValueError:
-        size = 0.0
-    if not 2**20 <= size < float("inf"):  # NaN fails too
-        raise ValueError(f"{text[:40]!r} is not a memory size: write one such as 80Gi")
-    return size
-
-
 def table(job: Job, gpu_bytes: float) -> str:
     estimates, chosen = plan(job, gpu_bytes)
     s = job.shape

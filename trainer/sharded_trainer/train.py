@@ -18,6 +18,7 @@ from sharded_api.batch import accumulation_for, describe_batch, with_kept_batch
 from sharded_api.config import RECORD_SOURCES, TrainerConfig
 from sharded_api.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
 from sharded_api.loading import ConfigError
+from sharded_api.quantity import memory_bytes
 from sharded_trainer import memplan
 from sharded_trainer.checkpoint.manager import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
 from sharded_trainer.data import records
@@ -161,7 +162,7 @@ def gpu_memory(env: DistEnv) -> float | None:
     text, limit = os.environ.get(GPU_MEMORY_LIMIT, "").strip(), None
     if text:  # checked with or without a GPU, so a typo fails in CI as it would on the cluster
         try:
-            limit = memplan.parse_memory(text)
+            limit = memory_bytes(text)
         except ValueError:
             raise ConfigError(f"{GPU_MEMORY_LIMIT}={text[:40]!r}: not a memory size; write one such as 40Gi, "
                               "or unset it") from None  # fmt: skip

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from sharded_api.quantity import memory_bytes
 from sharded_operator.api.models import GROUP, KIND, VERSION, ShardedTrainingJobSpec
 from sharded_operator.client import Client, Job, JobError
 from sharded_operator.run.transport import ApiError, ConfigError, Unreachable
@@ -159,7 +160,7 @@ def plan(a: argparse.Namespace) -> int:
     job = memplan.Job(shape, spec.nodes * procs, trainer.micro_batch_size, trainer.seq_len,
                       lora.r if lora else None, bool(lora and lora.quantize_base))  # fmt: skip
     try:
-        gpu = memplan.parse_memory(a.gpu_memory)
+        gpu = memory_bytes(a.gpu_memory)
     except ValueError as e:
         raise JobError(f"--gpu-memory {e}") from None
     print(memplan.table(job, gpu))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from sharded_api.contract import UserEnv
 from sharded_trainer.memplan import GIB, SETTINGS, Job, estimate, load_shape, plan, strategy_types
 
 
@@ -80,7 +81,7 @@ def run_case(case: Case, hf_dir: Path, timeout: float, log: Path) -> dict:
         yaml.safe_dump(config(case, hf_dir), f)
     env = dict(os.environ)
     if case.limit_gib:
-        env["SHARDED_GPU_MEMORY_LIMIT"] = f"{case.limit_gib}Gi"
+        env[UserEnv.GPU_MEMORY_LIMIT] = f"{case.limit_gib}Gi"
     t0 = time.time()
     try:
         p = subprocess.run(

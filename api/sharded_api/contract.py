@@ -68,6 +68,17 @@ class WorkerEnv(StrEnum):
     GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"  # nodes (agents) in this rendezvous round
 
 
+class UserEnv(StrEnum):
+    """Variables a user may set (in `spec.pod.env`, or around a local run) that the trainer reads."""
+
+    # A GPU memory cap (`40Gi`) the allocator enforces and strategy auto plans for (a shared or smaller GPU).
+    GPU_MEMORY_LIMIT = "SHARDED_GPU_MEMORY_LIMIT"
+    # Where `sharded_trainer.job_config()` reads the config when no path is given.
+    TRAINER_CONFIG = "SHARDED_TRAINER_CONFIG"
+    # A local run's stand-in for the operator: rank 0 rewrites this JSON file with its progress.
+    PROGRESS_FILE = "SHARDED_PROGRESS_FILE"
+
+
 # Variables torchrun and the operator own; a user value would break the rendezvous.
 RESERVED_ENV_PREFIX = "PET_"
 RESERVED_ENV = (PodEnv.MASTER_ADDR.value, PodEnv.MASTER_PORT.value, *(v.value for v in WorkerEnv))

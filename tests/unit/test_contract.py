@@ -16,6 +16,7 @@ from sharded_api.contract import (
     PodEnv,
     ProgressReport,
     TrainerEventType,
+    UserEnv,
     WorkerEnv,
     iso,
     parse_iso,
@@ -36,6 +37,7 @@ SCANNED = ["api", "operator", "trainer", "hack", "bench"]
 WORD_NAMES = sorted(
     {e.value for e in PodEnv}
     | {e.value for e in WorkerEnv}
+    | {e.value for e in UserEnv}
     | {contract.RESERVED_ENV_PREFIX, contract.MARKER, contract.TRAINER_STATE, contract.CONFIG_FILE, contract.CONFIG_DIR}
 )
 # Names that are also ordinary words or keys elsewhere: a string that is exactly one of them is a stray.

@@ -26,15 +26,10 @@ import threading
 from typing import NoReturn
 
 from sharded_api.config import TrainerConfig
-from sharded_api.contract import DEFAULT_CONFIG_PATH, ExitCode, WorkerEnv, iso
+from sharded_api.contract import DEFAULT_CONFIG_PATH, ExitCode, UserEnv, WorkerEnv, iso
 from sharded_api.loading import load_config
 from sharded_trainer.launch import record_exit
 from sharded_trainer.reporting.progress import ProgressReporter, target_from_env
-
-# A local run's stand-in for the operator: rank 0 rewrites this JSON file with its progress.
-PROGRESS_FILE_ENV = "SHARDED_PROGRESS_FILE"
-# Where job_config() reads the config when no path is given (default: where the operator mounts it).
-CONFIG_ENV = "SHARDED_TRAINER_CONFIG"
 
 _reporter: ProgressReporter | None = None
 _stop = threading.Event()
@@ -43,7 +38,7 @@ _handlers_installed = False
 
 def job_config(path: str | None = None) -> TrainerConfig:
     """The job's trainer config (model, data, steps, optimizer, checkpoint directory), validated."""
-    return load_config(path or os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_PATH))
+    return load_config(path or os.environ.get(UserEnv.TRAINER_CONFIG, DEFAULT_CONFIG_PATH))
 
 
 def is_main() -> bool:
@@ -66,7 +61,9 @@ def report(
     if not is_main():
         return
     if _reporter is None:
-        _reporter = ProgressReporter(target_from_env(), total_steps=total_steps, path=os.environ.get(PROGRESS_FILE_ENV))
+        _reporter = ProgressReporter(
+            target_from_env(), total_steps=total_steps, path=os.environ.get(UserEnv.PROGRESS_FILE)
+        )
     if checkpoint is not None:
         committed = {"step": int(checkpoint["step"]), "path": str(checkpoint["path"]), "time": iso()}
         _reporter.checkpoint_committed(committed)

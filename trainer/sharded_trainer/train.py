@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from sharded_api.batch import accumulation_for, describe_batch, with_kept_batch
 from sharded_api.config import RECORD_SOURCES, TrainerConfig
-from sharded_api.contract import STOPPING, ExitCode, PodEnv, TrainerEventType
+from sharded_api.contract import STOPPING, ExitCode, PodEnv, TrainerEventType, UserEnv
 from sharded_api.loading import ConfigError
 from sharded_api.quantity import memory_bytes
 from sharded_trainer import memplan
@@ -152,19 +152,16 @@ def evaluate(strategy, source, cfg: TrainerConfig, env: DistEnv) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-GPU_MEMORY_LIMIT = "SHARDED_GPU_MEMORY_LIMIT"
-
-
 def gpu_memory(env: DistEnv) -> float | None:
-    """Bytes of GPU memory this process may use: the device's, or less under SHARDED_GPU_MEMORY_LIMIT (`40Gi`).
+    """Bytes of GPU memory this process may use: the device's, or less under SHARDED_UserEnv.GPU_MEMORY_LIMIT (`40Gi`).
     The limit is enforced by the allocator (an allocation past it fails as out of memory, as on a smaller GPU)
     and is what strategy auto plans for: for a GPU shared with other work, or to try a smaller GPU's choice."""
-    text, limit = os.environ.get(GPU_MEMORY_LIMIT, "").strip(), None
+    text, limit = os.environ.get(UserEnv.GPU_MEMORY_LIMIT, "").strip(), None
     if text:  # checked with or without a GPU, so a typo fails in CI as it would on the cluster
         try:
             limit = memory_bytes(text)
         except ValueError:
-            raise ConfigError(f"{GPU_MEMORY_LIMIT}={text[:40]!r}: not a memory size; write one such as 40Gi, "
+            raise ConfigError(f"{UserEnv.GPU_MEMORY_LIMIT}={text[:40]!r}: not a memory size; write one such as 40Gi, "
                               "or unset it") from None  # fmt: skip
     if env.device.type != "cuda":
         return None

@@ -38,7 +38,7 @@ class PodEnv(StrEnum):
     JOB_NAMESPACE = "SHARDED_JOB_NAMESPACE"
     JOB_UID = "SHARDED_JOB_UID"
     ATTEMPT = "SHARDED_ATTEMPT"
-    RDZV_TIMEOUT = "SHARDED_RDZV_TIMEOUT"
+    RDZV_TIMEOUT = "SHARDED_RDZV_TIMEOUT"  # seconds; DEFAULT_RDZV_TIMEOUT_SECONDS when unset
     PROGRESS_URL = "SHARDED_PROGRESS_URL"
     PROGRESS_TOKEN_FILE = "SHARDED_PROGRESS_TOKEN_FILE"  # the pod's projected token for the operator's audience
     CONTRACT_VERSION = "SHARDED_CONTRACT_VERSION"
@@ -66,6 +66,10 @@ class WorkerEnv(StrEnum):
     GROUP_RANK = "GROUP_RANK"
     RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # how many times torchrun has restarted the workers
     GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"  # nodes (agents) in this rendezvous round
+
+
+# How long agents wait for every node to join a rendezvous round (spec.rendezvous.timeoutSeconds' default).
+DEFAULT_RDZV_TIMEOUT_SECONDS = 900
 
 
 class UserEnv(StrEnum):

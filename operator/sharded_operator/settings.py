@@ -15,6 +15,10 @@ from sharded_operator.api.overrides import DEFAULT_GPU_RESOURCE, DEFAULT_RDMA_RE
 ENV_PREFIX = "SHARDED_OPERATOR_"
 
 
+# The ports host-network jobs bind (one each), below the kernel's ephemeral range.
+DEFAULT_HOST_PORTS = (29500, 30499)
+
+
 class OperatorSettings(BaseModel):
     """Everything an operator deployment may tune; the Helm chart sets these as env variables."""
 
@@ -94,7 +98,7 @@ class OperatorSettings(BaseModel):
         description="RDMA device resource names of this cluster (comma-separated), as gpu_resource_names.",
     )
     host_port_range: str = Field(
-        "29500-30499", pattern=r"^\d+-\d+$",
+        "-".join(map(str, DEFAULT_HOST_PORTS)), pattern=r"^\d+-\d+$",
         description="Ports (lo-hi) host-network jobs bind on their nodes, one per job; keep it below the kernel's "
         "ephemeral range (32768-60999 by default) so no connection's local port takes it.",
     )  # fmt: skip

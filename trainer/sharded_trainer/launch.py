@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from sharded_api.contract import STOPPING, ExitCode, PodEnv, WorkerEnv
+from sharded_api.contract import DEFAULT_RDZV_TIMEOUT_SECONDS, STOPPING, ExitCode, PodEnv, WorkerEnv
 from sharded_api.loading import ConfigError, load_config
 from sharded_trainer.agent import helper, torchrun_args
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     endpoint = os.environ.get(PodEnv.RDZV_ENDPOINT, "")
     node_rank = int(os.environ.get(PodEnv.NODE_RANK, "0"))
-    timeout = float(os.environ.get(PodEnv.RDZV_TIMEOUT, "900"))
+    timeout = float(os.environ.get(PodEnv.RDZV_TIMEOUT, DEFAULT_RDZV_TIMEOUT_SECONDS))
     if endpoint:
         host, _, port = endpoint.rpartition(":")
         # The c10d store is the job's store pod (no agent hosts it): every node waits until it accepts

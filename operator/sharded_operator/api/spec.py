@@ -14,7 +14,7 @@ from pydantic.alias_generators import to_camel
 
 from sharded_api.cel import At, Has
 from sharded_api.config import CheckpointPolicy, Model
-from sharded_api.contract import ExitCode
+from sharded_api.contract import DEFAULT_RDZV_TIMEOUT_SECONDS, ExitCode
 from sharded_api.quantity import is_quantity, quantity_value
 from sharded_api.rules import Rule
 
@@ -127,7 +127,10 @@ class Rendezvous(ApiModel):
 
     port: int = Field(29400, ge=1024, le=65535, description="TCP port of the rendezvous store pod.")
     timeout_seconds: int = Field(
-        900, ge=30, le=86400, description="How long agents wait for every node to join before failing."
+        DEFAULT_RDZV_TIMEOUT_SECONDS,
+        ge=30,
+        le=86400,
+        description="How long agents wait for every node to join before failing.",
     )
     last_call_seconds: int = Field(
         5,

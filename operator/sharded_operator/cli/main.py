@@ -25,12 +25,14 @@ import select
 import socket
 import sys
 import threading
+import typing
 from functools import partial
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from sharded_api.config import StrategyConfig
 from sharded_api.quantity import memory_bytes
 from sharded_operator.api.models import GROUP, KIND, VERSION, ShardedTrainingJobSpec
 from sharded_operator.client import Client, Job, JobError
@@ -280,7 +282,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--nodes", type=int, default=1, help="pods, one per node (default 1)")
     s.add_argument("--procs-per-node", type=int, default=1, help="processes per pod (default 1)")
     s.add_argument("--gpus-per-node", type=int, help="GPUs per pod")
-    s.add_argument("--strategy", choices=["fsdp", "zero2", "auto"], help="sharding strategy (auto: the trainer picks)")
+    strategies = typing.get_args(StrategyConfig.model_fields["type"].annotation)  # the config's own choices
+    s.add_argument("--strategy", choices=strategies, help="sharding strategy (auto: the trainer picks)")
     s.add_argument("--preset", help="model preset of the bundled trainer")
     s.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="any spec field, e.g. trainer.steps=1000 (repeatable)")  # fmt: skip

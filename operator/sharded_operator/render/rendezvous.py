@@ -8,6 +8,7 @@ from typing import Any
 
 from sharded_operator.api.models import ShardedTrainingJob
 from sharded_operator.render.names import job_labels, job_name, pod_host, store_pod_name
+from sharded_operator.settings import DEFAULT_HOST_PORTS
 
 
 def rendezvous_port(job: ShardedTrainingJob) -> int:
@@ -21,9 +22,6 @@ def rendezvous_port(job: ShardedTrainingJob) -> int:
         lo, hi = DEFAULT_HOST_PORTS
         return lo + zlib.crc32(job.metadata.get("uid", job_name(job)).encode()) % (hi - lo + 1)
     return job.status.host_port
-
-
-DEFAULT_HOST_PORTS = (29500, 30499)
 
 
 def choose_host_port(uid: str, ports: tuple[int, int], used: set[int]) -> int:

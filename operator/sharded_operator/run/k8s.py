@@ -87,7 +87,7 @@ class Kube:
         return self.http.json("PATCH", path(_JOBS, namespace, PLURAL, name), body={"spec": spec},
                               content_type="application/merge-patch+json")  # fmt: skip
 
-    def pod_logstream_lines(self, namespace: str, pod: str, *, follow: bool, tail: int | None = None):
+    def pod_log_lines(self, namespace: str, pod: str, *, follow: bool, tail: int | None = None):
         """The pod's container log through the API server (which asks the node's kubelet), line by line;
         with `follow`, until the container ends."""
         resp = self.http.request(

@@ -4,7 +4,7 @@ prediction for it, the peak the run reached, and whether it ran out of memory. A
 fail before training with exit 2, not run out of memory. None of the cases is one that fitted the model.
 
     python bench/auto_check.py run --out $OUT/auto-check.jsonl [--hf-dir /tmp/llama-8b-hf] [--budget 540]
-    python bench/auto_check.py table > bench/results/auto-check.md   # runs 2 and 3 (the current rule)
+    python bench/auto_check.py table > bench/results/memory-model/auto-check.md   # runs 2 and 3 (the current rule)
 
 `run` needs a GPU and torchrun; `table` only the memory model (no torch).
 """

@@ -1,7 +1,7 @@
 """Tables (and a plot) from bench/hf_pairs.sh runs: the trainer's Hugging Face path against Hugging Face
 Trainer (the peer) and against the trainer's preset path, ratios only within one run.
 
-    python bench/hf_pairs.py bench/results/hf-pairs-*.txt [--plot docs/hf-pairs.png]
+    python bench/hf_pairs.py bench/results/hf-finetuning/hf-pairs-*.txt [--plot docs/hf-pairs.png]
 
 The trainer's tokens/s per GPU is the median of its 10-step windows after the first (compilation and
 warm-up); the peer's is its own median step after the first third. Each trainer step window comes from

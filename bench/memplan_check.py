@@ -4,7 +4,7 @@ of both strategies, and the trainer's arms of bench/hf_pairs.sh. Prints a table 
 against measured peaks; the runs that fitted the model's constants are marked.
 tests/unit/test_memplan.py asserts the same comparison.
 
-    .venv/bin/python bench/memplan_check.py > bench/results/memplan-check.md
+    .venv/bin/python bench/memplan_check.py > bench/results/memory-model/memplan-check.md
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def preset_runs() -> list[tuple[str, str, Job, Setting, float]]:
     """(file, arm, job, setting, measured peak GiB) of the trainer's llama-1b runs in bf16. Runs 1-3 are
-    left out: their loss held an fp32 copy of the logits when compiled (docs/benchmarks.md, run 5)."""
+    left out: their loss held an fp32 copy of the logits when compiled (docs/benchmarks-history.md, run 5)."""
     shape, runs = load_shape("llama-1b"), []
     for path in sorted(RESULTS.glob("h200*-run*.txt")):
         if int(re.search(r"run(\d+)", path.name).group(1)) < 5:

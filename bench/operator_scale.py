@@ -1,6 +1,6 @@
 """The operator at cluster scale, against a raw client creating the same pods on the same API server.
 
-    .venv/bin/python bench/operator_scale.py --nodes 1000 --jobs 1000 --out bench/results/operator-scale.json
+    .venv/bin/python bench/operator_scale.py --nodes 1000 --jobs 1000 --out bench/results/operator-scale/NAME.json
 
 Starts the local control plane (etcd, kube-apiserver, controller-manager, scheduler, KWOK) with `--nodes`
 KWOK nodes of 8 GPUs, and in one run, one arm after the other:

@@ -1,7 +1,7 @@
 """Recovery time on the local end-to-end setup, gang recreation and in-place side by side: from a fault to
 training resumed, broken into phases.
 
-    .venv/bin/python bench/recovery.py --repeat 2 --out bench/results/recovery-local.json
+    .venv/bin/python bench/recovery.py --repeat 2 --out bench/results/recovery/recovery-local.json
 
 Runs the real control plane, the operator and the node agent (pods as real processes; root, as the e2e
 tier) on 3 nodes, and one 2-node job per mode, one after the other in the same run: `gang` (no in-place

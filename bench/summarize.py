@@ -1,6 +1,6 @@
 """Turn bench/results/*.txt (ARM lines from bench/run_h200.sh) into markdown tables and a plot.
 
-    python bench/summarize.py bench/results/h200x2-*.txt [--plot docs/benchmarks.png]
+    python bench/summarize.py bench/results/trainer-vs-reference/h200x2-*.txt [--plot docs/benchmarks.png]
 
 Ratios are computed only between arms of the same file (the same run on the same GPUs); an arm run
 several times (REPEAT=N in bench/run_h200.sh) is its median, with the range the ratio can take. The plot needs

@@ -1,7 +1,7 @@
 """Worker start-up under the pod's launcher, spawned against forked from the preloading server, side by side:
 a cold start and an in-place restart after a SIGKILLed worker, broken into phases.
 
-    .venv/bin/python bench/worker_start.py --repeat 2 --out bench/results/worker-start-cpu.json
+    .venv/bin/python bench/worker_start.py --repeat 2 --out bench/results/recovery/worker-start-cpu.json
     python3 bench/worker_start.py --procs 1 --repeat 2 --out $OUT/worker-start-h200.json   # on the GPU machine
 
 Each arm runs `python -m sharded_trainer.launch` as a pod does (one node, `--procs` workers, a rendezvous

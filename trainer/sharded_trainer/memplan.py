@@ -45,7 +45,7 @@ MAX_SIZE = 1 << 24  # any one dimension of a model (layers, widths, vocabulary):
 MARGIN = 0.9  # a setting fits when its peak is under this share of the GPU's memory, less HEADROOM
 # Memory PyTorch's allocator does not count (the CUDA context, NCCL's buffers) and blocks it cannot reuse when
 # held to its limit: QLoRA of the 8B shape predicted at 14.4 GiB (measured 14.7) ran out of memory once in two
-# on a 16 GiB limit, where 90% alone had let it fit (bench/results/auto-check.md).
+# on a 16 GiB limit, where 90% alone had let it fit (bench/results/memory-model/auto-check.md).
 HEADROOM = 1.0 * 2**30
 FIT_RUNS = (
     ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4"),
@@ -197,7 +197,7 @@ class Setting:
         return strategy.model_copy(update={"type": self.strategy, self.strategy: options})
 
 
-# Fastest first, from the H200 runs (docs/benchmarks.md): FSDP2 a little ahead of ZeRO-2, checkpointing about
+# Fastest first, from the H200 runs (docs/benchmarks-history.md): FSDP2 a little ahead of ZeRO-2, checkpointing about
 # 0.8x, offload several times slower.
 SETTINGS = (
     Setting("fsdp", reshard=False), Setting("fsdp"), Setting("zero2"),

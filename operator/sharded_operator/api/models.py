@@ -24,7 +24,7 @@ from sharded_operator.api.spec import (
     Elastic,
     FailurePolicy,
     Interactive,
-    Network,
+    Networking,
     Quantity,
     Rendezvous,
     Resources,
@@ -200,7 +200,7 @@ class ShardedTrainingJobSpec(ApiModel):
     shm_size: Quantity | None = _quantity_field(
         "Size of the memory-backed /dev/shm; default is half of resources.memory, or 2Gi."
     )
-    network: Network = Field(default_factory=Network, description="Backend and networking.")
+    network: Networking = Field(default_factory=Networking, description="Backend and networking.")
     rendezvous: Rendezvous = Field(default_factory=Rendezvous, description="torchrun c10d rendezvous.")
     elastic: Elastic | None = Field(None, description="Elastic min:max nodes; unset means exactly `nodes`.")
     checkpoint: Checkpoint | None = Field(None, description="Checkpoint storage and policy; unset disables.")

@@ -107,7 +107,7 @@ class InfiniBand(ApiModel):
     gid_index: int | None = Field(None, ge=0, le=255, description="NCCL_IB_GID_INDEX (RoCE: usually 3).")
 
 
-class Network(ApiModel):
+class Networking(ApiModel):
     """Collective backend and pod networking."""
 
     backend: Literal["auto", "nccl", "gloo"] = Field(

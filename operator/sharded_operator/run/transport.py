@@ -2,7 +2,7 @@
 HTTP requests over urllib3 with them.
 
 The operator does not load the `kubernetes` client package: its generated models and API classes take about
-20 MB of every replica's memory, for requests that are plain JSON (see docs/benchmarks.md, "What the
+20 MB of every replica's memory, for requests that are plain JSON (see docs/benchmarks-history.md, "What the
 operator's memory is"). kopf connects with the same credentials (`handlers.login`).
 """
 

@@ -49,7 +49,7 @@ class NoDiffBase(kopf.DiffBaseStorage):
     """No last-handled state. kopf builds one for every event of every watched object (a deep copy of the
     body, status included) to give on.create/on.update handlers their diffs; this operator has none (its
     handlers are events and indexes), and the copies were about a fifth of its busy time while 300 jobs
-    started at once (bench/results/operator-scale-profile)."""
+    started at once (bench/results/operator-scale/operator-scale-profile)."""
 
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
         return kopf.BodyEssence()

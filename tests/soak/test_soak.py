@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -87,6 +89,7 @@ class Soak:
     violations: list[str] = field(default_factory=list)
     jobs: dict[str, Expect] = field(default_factory=dict)
     chaos: bool = False  # the operator is being killed and started again this round
+    log: Path | None = None  # the operator's log, shown for a job that does not settle
 
     def say(self, msg: str) -> None:
         self.trace.append(f"{time.monotonic():.1f} {msg}")
@@ -151,9 +154,26 @@ class Soak:
             time.sleep(0.5)
         if pending:
             detail = "; ".join(f"{e.name}: want {e} got {self._safe(self.status, e.name)}" for e in pending)
-            pytest.fail(f"not settled after {timeout}s: {detail}\n" + "\n".join(self.trace[-80:]))
+            seen = "\n".join(self.diagnose(e.name) for e in pending)
+            pytest.fail(f"not settled after {timeout}s: {detail}\n" + "\n".join(self.trace[-80:]) + "\n" + seen)
         for exp in self.jobs.values():
             exp.alt = None
+
+    def diagnose(self, name: str) -> str:
+        """What a job that did not settle looks like: its pods as the API server lists them, and what the
+        operator logged about it (the only record of a decision a killed replica took or left)."""
+        lines = [f"pods of {name}:"]
+        for p in self._safe(self.pods, name) or []:
+            conditions = {c.type: c.status for c in p.status.conditions or []}
+            lines.append(
+                f"  {p.metadata.name} uid {p.metadata.uid[:8]} attempt {p.metadata.labels.get(LABEL_ATTEMPT)} "
+                f"{p.status.phase} deleting={bool(p.metadata.deletion_timestamp)} {conditions}"
+            )
+        if self.log is not None:
+            mention = re.compile(rf"/{re.escape(name)}(?![\w-])")  # soak-1, not soak-10
+            said = [line for line in self.log.read_text(errors="replace").splitlines() if mention.search(line)]
+            lines += [f"operator log on {name} (last 40 of {len(said)}):", *said[-40:]]
+        return "\n".join(lines)
 
     @staticmethod
     def _safe(fn, *args):
@@ -243,7 +263,7 @@ def test_jobs_survive_a_seeded_schedule_of_faults(core, custom, namespace, opera
     with capsys.disabled():  # shown whether the run passes or not, so any seed can be replayed
         print(f"\nsoak seed {seed} (replay: make soak SEEDS={seed})")
     rng = random.Random(seed)
-    soak = Soak(core, custom, namespace, rng)
+    soak = Soak(core, custom, namespace, rng, log=operator.log)
     log_start = operator.log.stat().st_size
     stop = threading.Event()
     sampler = threading.Thread(target=soak.sample, args=(stop,), daemon=True)

@@ -21,11 +21,19 @@ from sharded_trainer.memplan import GIB, Job, Setting, estimate, load_shape
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def result(name: str) -> Path:
+    """A results file by its name, in whichever benchmark's folder it lives."""
+    found = sorted(RESULTS.rglob(name))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{name}: {len(found)} files of that name under {RESULTS}")
+    return found[0]
+
+
 def preset_runs() -> list[tuple[str, str, Job, Setting, float]]:
     """(file, arm, job, setting, measured peak GiB) of the trainer's llama-1b runs in bf16. Runs 1-3 are
     left out: their loss held an fp32 copy of the logits when compiled (docs/benchmarks-history.md, run 5)."""
     shape, runs = load_shape("llama-1b"), []
-    for path in sorted(RESULTS.glob("h200*-run*.txt")):
+    for path in sorted(RESULTS.rglob("h200*-run*.txt"), key=lambda p: p.name):
         if int(re.search(r"run(\d+)", path.name).group(1)) < 5:
             continue
         for line in path.read_text().splitlines():
@@ -51,7 +59,7 @@ def lora_8b_runs() -> list[tuple[str, str, Job, Setting, float]]:
     """bench/qlora.sh on one H200: the 8B shape, micro-batch 2 x 2048, LoRA r16 on every linear."""
     shape, runs = load_shape("llama-8b"), []
     for name, strategy in (("qlora-8b-h200x1.txt", "fsdp"), ("qlora-8b-zero2-h200x1.txt", "zero2")):
-        for line in (RESULTS / name).read_text().splitlines():
+        for line in result(name).read_text().splitlines():
             kind, _, record = line.removeprefix(f"{strategy} ").partition(" METRICS ")
             metrics = json.loads(record) if record else {}
             if metrics.get("step") == 20 and "peak_alloc_gib" in metrics:  # the last step's report
@@ -64,7 +72,7 @@ def hf_pairs_runs() -> list[tuple[str, str, Job, Setting, float]]:
     """bench/hf_pairs.sh on one H200: the trainer's arms (seq 2048, LoRA r16 on every linear), each arm's
     peak as its last step window reported it."""
     runs = []
-    for path in sorted(RESULTS.glob("hf-pairs-*.txt")):
+    for path in sorted(RESULTS.rglob("hf-pairs-*.txt"), key=lambda p: p.name):
         head = dict(kv.split("=", 1) for kv in path.read_text().splitlines()[0].split() if "=" in kv)
         shape = load_shape({"1b": "llama-1b", "8b": "llama-8b"}[head["shape"]])
         for label, arm in hf_pairs.parse(path).items():

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import auto_check
 import pytest
-from memplan_check import held_out_runs
+from memplan_check import held_out_runs, result
 
 from sharded_api.quantity import memory_bytes
 from sharded_trainer import memplan
 from sharded_trainer.memplan import GIB, Job, Setting, estimate, load_shape
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results"
 
 
 def test_the_runs_held_out_cover_every_option_the_model_has():
@@ -45,7 +44,7 @@ def test_on_the_gpu_auto_never_ran_out_of_memory_and_the_rule_still_chooses_what
     running out of memory, its prediction within 10% of the peak it reached, and the current rule picks it
     again (a change to the rule or the model must be measured anew); where nothing fits, the trainer stopped
     before loading the model with the error that says what to change."""
-    rows = auto_check.records(RESULTS / name for name in auto_check.CURRENT)
+    rows = auto_check.records(auto_check.RESULTS / name for name in auto_check.CURRENT)
     assert [r["name"] for r in rows] == [c.name for c in auto_check.CASES]
     assert len({auto_check.chosen_label(r["why"]) for r in rows}) >= 6  # the choices span the settings
     for r in rows:
@@ -62,7 +61,7 @@ def test_on_the_gpu_auto_never_ran_out_of_memory_and_the_rule_still_chooses_what
 def test_zero2_counts_the_bf16_base_it_loads_before_quantizing_it_to_nf4():
     """The ZeRO-2 QLoRA load peak on an H200 (bench/qlora.sh's LOAD line): the whole bf16 base and its NF4
     form at once. Auto chose ZeRO-2 for QLoRA on a 16 GiB limit before this was counted, and ran out of memory."""
-    line = next(ln for ln in (RESULTS / "qlora-8b-zero2-h200x1.txt").read_text().splitlines()
+    line = next(ln for ln in result("qlora-8b-zero2-h200x1.txt").read_text().splitlines()
                 if ln.startswith("zero2 qlora LOAD "))  # fmt: skip
     measured = json.loads(line.split(" LOAD ", 1)[1])["gpu_allocated_gib"]
     job = Job(load_shape("llama-8b"), 1, 2, 2048, 16, True)

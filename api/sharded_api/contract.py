@@ -159,10 +159,11 @@ def parse_iso(s: str | None) -> dt.datetime | None:
 
 # --- the progress report ------------------------------------------------------------------------
 
-CONTRACT_VERSION = 1
+# 2: StepProgress.mfu_6n beside mfu (the FLOPs done).
+CONTRACT_VERSION = 2
 # Report versions this release reads. A newer trainer talking to an older operator is refused with a
 # message naming these, rather than misread.
-SUPPORTED_VERSIONS = frozenset({1})
+SUPPORTED_VERSIONS = frozenset({1, 2})
 MAX_EVENTS = 32  # newest trainer events a report carries; older ones were sent in earlier reports
 MAX_REPORT_BYTES = 16 * 1024  # the operator refuses a larger body; the reporter leaves old events out to fit
 # The pod's projected ServiceAccount token for the operator's audience, refreshed by the kubelet.
@@ -222,7 +223,15 @@ class StepProgress(Wire):
         None, description="Throughput over all processes."
     )
     mfu: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] | None = Field(
-        None, description="Model FLOPs utilisation, 0 to 1."
+        None,
+        description="Model FLOPs utilisation, 0 to 1, from the FLOPs done: a frozen weight (LoRA, QLoRA) "
+        "costs its forward and input-gradient matmuls, not a weight gradient.",
+    )
+    mfu_6n: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] | None = Field(
+        None,
+        alias="mfu6n",
+        description="Model FLOPs utilisation, 0 to 1, by the 6·N convention other trainers report (every "
+        "weight's gradient counted); the same as mfu for full training.",
     )
     restart: Annotated[int, Field(ge=0, le=1000)] | None = Field(
         None, description="Times torchrun has restarted the workers in place before this run (0: the first run)."

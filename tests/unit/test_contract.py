@@ -158,7 +158,7 @@ def test_a_good_report_round_trips_through_json():
         ({"lastCheckpoint": {"step": 1, "path": "p" * 2000}}, "lastCheckpoint.path"),
         ({"lastCheckpoint": {"step": 1, "path": "/c", "forged": True}}, "lastCheckpoint.forged"),
         ({"extra": 1}, "extra"),
-        ({"version": 2}, "version"),
+        ({"version": 3}, "version"),
         ({"events": [GOOD["events"][0]] * (MAX_EVENTS + 1)}, "events"),
         ({"events": [{**GOOD["events"][0], "type": "Exploded"}]}, "events.0.type"),
         ({"events": [{**GOOD["events"][0], "message": "m" * 2000}]}, "events.0.message"),
@@ -174,10 +174,17 @@ def test_a_bad_report_is_refused_naming_the_field(change, field):
     assert field in located, located
 
 
+def test_a_report_of_the_previous_version_is_still_read_and_the_6n_mfu_travels_beside_the_other():
+    """Version 1 reports (trainers of the previous release) are read; version 2 adds mfu6n."""
+    assert ProgressReport.model_validate(GOOD).version == 1
+    report = ProgressReport.model_validate({**GOOD, "version": 2, "mfu6n": 0.5})
+    assert (report.mfu, report.mfu_6n) == (0.41, 0.5) and report.model_dump(by_alias=True)["mfu6n"] == 0.5
+
+
 def test_another_contract_version_is_refused_with_what_this_release_reads():
     with pytest.raises(ValidationError) as exc:
-        ProgressReport.model_validate({**GOOD, "version": 2})
-    assert "reads [1]" in str(exc.value)
+        ProgressReport.model_validate({**GOOD, "version": 3})
+    assert "reads [1, 2]" in str(exc.value)
 
 
 def test_times_in_either_spelling_parse_to_the_same_instant():

@@ -154,8 +154,10 @@ def test_only_a_live_pod_of_the_reported_job_and_attempt_may_report(sender, the_
 
 def test_a_report_fills_progress_and_last_checkpoint():
     ckpt = {"step": 30, "path": "/checkpoints/step-00000030", "time": iso(NOW)}
-    fields, _ = merge_report(status(), report(step=40, totalSteps=100, loss=2.5, lastCheckpoint=ckpt), iso(NOW))
+    sent = report(step=40, totalSteps=100, loss=2.5, mfu=0.3, mfu6n=0.45, lastCheckpoint=ckpt)
+    fields, _ = merge_report(status(), sent, iso(NOW))
     assert fields["progress"]["step"] == 40 and fields["progress"]["loss"] == 2.5
+    assert (fields["progress"]["mfu"], fields["progress"]["mfu6n"]) == (0.3, 0.45)  # both MFUs, each labelled
     assert fields["progress"]["observedAt"] == iso(NOW) and fields["lastCheckpoint"] == ckpt
     with pytest.raises(Refusal) as r:
         merge_report(status(attempt=2), report(step=41), iso(NOW))

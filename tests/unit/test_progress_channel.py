@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sharded_api.contract import MAX_REPORT_BYTES, PodEnv, TrainerEventType
+from sharded_api.contract import CONTRACT_VERSION, MAX_REPORT_BYTES, PodEnv, TrainerEventType
 from sharded_trainer.reporting import progress as reporting
 from sharded_trainer.reporting.progress import ProgressReporter, ReportTarget, target_from_env
 
@@ -145,7 +145,7 @@ def test_the_pod_environment_names_the_target_and_its_token(monkeypatch, capsys)
     monkeypatch.setenv(PodEnv.PROGRESS_URL, "http://op/progress")
     monkeypatch.setenv(PodEnv.JOB_UID, UID)
     monkeypatch.setenv(PodEnv.ATTEMPT, "2")
-    monkeypatch.setenv(PodEnv.CONTRACT_VERSION, "1")
+    monkeypatch.setenv(PodEnv.CONTRACT_VERSION, str(CONTRACT_VERSION))
     monkeypatch.setenv(PodEnv.PROGRESS_TOKEN_FILE, "/var/run/token")
     assert target_from_env() == ReportTarget("http://op/progress", UID, "", "", 2, "/var/run/token")
     monkeypatch.setenv(PodEnv.CONTRACT_VERSION, "9")

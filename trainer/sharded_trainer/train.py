@@ -258,7 +258,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
             step=step, checkpoint=ckpt.last_committed,
         )  # fmt: skip
     report.update(step=step, last_checkpoint=ckpt.last_committed)
-    meter = Meter(net.flops_per_token(cfg.seq_len), env.device, env.world)
+    meter = Meter(net.flops_per_token(cfg.seq_len), env.device, env.world, flops_6n=net.flops_6n(cfg.seq_len))
     board = EventWriter(Path(cfg.checkpoint.dir) / "tensorboard") if cfg.tensorboard and env.is_main else None
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.seq_len
 
@@ -282,8 +282,16 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
                 if env.is_main:
                     emit(rec)
                 if board is not None:
-                    board.scalars(step, {k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")})
-                report.update(step=step, loss=rec["loss"], tokens_per_second=rec["tokens_per_s"], mfu=rec["mfu"])
+                    board.scalars(
+                        step, {k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mfu_6n")}
+                    )
+                report.update(
+                    step=step,
+                    loss=rec["loss"],
+                    tokens_per_second=rec["tokens_per_s"],
+                    mfu=rec["mfu"],
+                    mfu_6n=rec["mfu_6n"],
+                )
             if held_out is not None and (step % (cfg.data.eval_every or cfg.steps) == 0 or step == cfg.steps):
                 eval_loss = evaluate(strategy, held_out, cfg, env)
                 if not evaluated:  # its forward-only graphs, compiled once

@@ -25,7 +25,9 @@ LABELS = ["namespace", "job_name"]
 # The gauges, each labelled (namespace, job): the numbers of the progress rank 0 reports (the contract's
 # StepProgress, as status.progress holds them), the newest checkpoint's, and the status' own counters, each
 # named after its field and described as the status model describes it.
-PROGRESS_GAUGES = ("step", "total_steps", "loss", "eval_loss", "tokens_per_second", "mfu", "global_batch_size")
+PROGRESS_GAUGES = (
+    "step", "total_steps", "loss", "eval_loss", "tokens_per_second", "mfu", "mfu_6n", "global_batch_size",
+)  # fmt: skip
 STATUS_GAUGES = (
     "restarts", "disruptions", "in_place_restarts", "pod_replacements", "current_nodes", "desired_nodes", "attempt",
 )  # fmt: skip

@@ -151,6 +151,11 @@ class Network:
     source: WeightSource | None = None
     # Only the trained parameters (LoRA adapters) are checkpointed; the frozen rest comes from `source`.
     adapter_only: bool = False
+    # The 6·N convention's FLOPs per token (every weight's gradient counted), where they differ from those done.
+    flops_per_token_6n: Callable[[int], float] | None = None
+
+    def flops_6n(self, seq_len: int) -> float:
+        return (self.flops_per_token_6n or self.flops_per_token)(seq_len)
 
 
 def _preset_logits(module: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

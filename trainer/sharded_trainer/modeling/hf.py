@@ -310,6 +310,9 @@ def build_hf(cfg: TrainerConfig) -> Network:
     def flops_per_token(seq_len: int) -> float:
         return 4 * frozen + 6 * trained + 12 * layers * hidden * seq_len
 
+    def flops_per_token_6n(seq_len: int) -> float:  # the convention, for comparison with other trainers' MFU
+        return 6 * (frozen + trained) + 12 * layers * hidden * seq_len
+
     shape_keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")  # fmt: skip
     shape = {k: v for k in shape_keys if (v := _setting(text, k)) is not None}
@@ -317,7 +320,7 @@ def build_hf(cfg: TrainerConfig) -> Network:
     if cfg.lora is not None:
         fingerprint["lora"] = cfg.lora.model_dump(by_alias=True, mode="json", exclude={"dropout"})
     return Network(
-        module=model, fingerprint=fingerprint, flops_per_token=flops_per_token,
+        module=model, fingerprint=fingerprint, flops_per_token=flops_per_token, flops_per_token_6n=flops_per_token_6n,
         source=HfWeightSource(keys, cfg.seed), logits=hf_logits, adapter_only=cfg.lora is not None,
         vocab_size=text.vocab_size,
     )  # fmt: skip

@@ -22,8 +22,9 @@ def peak_flops(device: torch.device) -> float | None:
 class Meter:
     """Accumulates tokens between log lines and turns them into tokens/s per device and MFU."""
 
-    def __init__(self, flops_per_token: float, device: torch.device, world: int):
+    def __init__(self, flops_per_token: float, device: torch.device, world: int, flops_6n: float | None = None):
         self.flops_per_token = flops_per_token
+        self.flops_6n = flops_per_token if flops_6n is None else flops_6n
         self.device, self.world = device, world
         self.peak = peak_flops(device)
         self.tokens = 0
@@ -44,7 +45,9 @@ class Meter:
             "grad_norm": None if grad_norm is None else round(grad_norm, 4),
             "tokens_per_s_per_device": round(tps, 1),
             "tokens_per_s": round(tps * self.world, 1),
+            # Two labelled MFUs: from the FLOPs done, and by the 6·N convention (equal unless weights are frozen).
             "mfu": round(tps * self.flops_per_token / self.peak, 4) if self.peak else None,
+            "mfu_6n": round(tps * self.flops_6n / self.peak, 4) if self.peak else None,
         }
         if self.device.type == "cuda":
             rec["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)

@@ -79,10 +79,10 @@ test-unit: setup
 	@$(PY) -m pytest -q tests/unit
 
 cluster-up: setup binaries
-	@PYTHONPATH=hack $(PY) -m localstack.cluster up --dir .cluster >/dev/null
+	@PYTHONPATH=hack $(PY) -m localstack up --dir .cluster >/dev/null
 
 cluster-down: setup
-	@PYTHONPATH=hack $(PY) -m localstack.cluster down --dir .cluster
+	@PYTHONPATH=hack $(PY) -m localstack down --dir .cluster
 
 demo: setup binaries
 	@PYTHONPATH=hack $(PY) hack/demo.py $(ARGS)

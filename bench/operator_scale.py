@@ -36,7 +36,6 @@ operator and this process); the ratios come from arms of the same run. Not a tes
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -304,51 +303,7 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=1000)
-    ap.add_argument("--jobs", type=int, default=1000)
-    ap.add_argument("--rate", type=float, default=5.0, help="paced arrivals, jobs per second")
-    ap.add_argument("--steady", type=float, default=60.0, help="seconds of each steady-state measurement")
-    ap.add_argument("--arms", default="raw-burst,operator-burst,operator-paced,raw-paced")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument(
-        "--profile",
-        type=Path,
-        help="a folder: py-spy (on PATH) samples the operator while jobs start and in each steady state; "
-        "pprof profiles the API server, scheduler and controller-manager in each arm (go on PATH "
-        "summarises them)",
-    )
-    ap.add_argument(
-        "--tracemalloc",
-        type=Path,
-        help="a file: the operator runs under tracemalloc and writes where its memory is in each steady "
-        "state (slower: not for the timings)",
-    )
-    ap.add_argument(
-        "--malloc-arenas",
-        default="2",
-        help="the operator's MALLOC_ARENA_MAX (its image sets 2); 'glibc': unset, glibc's default",
-    )
-    ap.add_argument(
-        "--node-heartbeat",
-        type=float,
-        default=60.0,
-        help="seconds between a KWOK node's status heartbeats (0: the stages file's 10 s)",
-    )
-    ap.add_argument(
-        "--node-grace",
-        type=float,
-        default=600.0,
-        help="seconds without a heartbeat before a node is NotReady (0: the controller-manager's 50 s)",
-    )
-    ap.add_argument("--plot", type=Path, help="draw the results (of --out, or --replot's file) into this PNG")
-    ap.add_argument(
-        "--replot",
-        type=Path,
-        nargs="+",
-        help="results files to plot together (the arms of later files added to the first's), without running anything",
-    )
-    args = ap.parse_args(argv)
+    args = probes.parse_args(argv, __doc__.splitlines()[0])
     if args.replot:
         merged = json.loads(args.replot[0].read_text())
         for more in args.replot[1:]:

@@ -1,15 +1,11 @@
 """A real local Kubernetes control plane on loopback: etcd, kube-apiserver, controller-manager,
 scheduler and KWOK fake GPU nodes, started from the binaries hack/build-binaries.sh builds.
 
-Used by the test fixtures and from the command line:
-
-    PYTHONPATH=hack python -m localstack.cluster up [--dir .cluster] [--gpu-nodes 4]   # prints the kubeconfig path
-    PYTHONPATH=hack python -m localstack.cluster down [--dir .cluster]
+Used by the test fixtures, and from the command line through `python -m localstack` (`make cluster-up`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -17,7 +13,6 @@ import shutil
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -373,35 +368,3 @@ def running_cluster(gpu_nodes: int = 4, workdir: Path | None = None, audit: bool
         cluster.stop()
         if workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down"])
-    parser.add_argument("--dir", type=Path, default=ROOT / ".cluster", help="state directory")
-    parser.add_argument("--gpu-nodes", type=int, default=4, help="KWOK nodes with 8 GPUs each")
-    args = parser.parse_args(argv)
-    workdir = args.dir.resolve()
-    if args.command == "down":
-        stop_dir(workdir)
-        shutil.rmtree(workdir, ignore_errors=True)
-        print(f"stopped the cluster in {workdir}", file=sys.stderr)
-        return 0
-    stop_dir(workdir)
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    started = time.monotonic()
-    cluster = LocalCluster(workdir=workdir, bin_dir=binaries_dir(), gpu_nodes=args.gpu_nodes).start()
-    print(
-        f"cluster ready in {time.monotonic() - started:.0f}s (API {cluster.server}, logs in {workdir / 'logs'})\n"
-        f"  export KUBECONFIG={cluster.kubeconfig}\n"
-        f"  export PATH={cluster.bin_dir}:$PATH   # kubectl and helm\n"
-        f"stop it with: make cluster-down",
-        file=sys.stderr,
-    )
-    print(cluster.kubeconfig)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sharded_api.contract import DEFAULT_CONFIG_PATH
-from sharded_operator.api.overrides import DEFAULT_GPU_RESOURCE, DEFAULT_RDMA_RESOURCE, NAMES, Allow
+from sharded_operator.api.allowlist import DEFAULT_GPU_RESOURCE, DEFAULT_RDMA_RESOURCE, Allow
+from sharded_operator.api.overrides import NAMES
 
 ENV_PREFIX = "SHARDED_OPERATOR_"
 

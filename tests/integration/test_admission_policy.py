@@ -12,8 +12,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from conftest import ROOT, wait_for
+from sharded_operator.api.allowlist import Allow
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
-from sharded_operator.api.overrides import ROWS, Allow, outside
+from sharded_operator.api.overrides import ROWS, outside
 from support.jobs import make_job
 
 pytestmark = pytest.mark.integration

@@ -124,7 +124,8 @@ def test_the_network_policy_admits_progress_only_from_training_pods_and_metrics_
 
 
 def test_the_admission_policy_checks_the_submitter_for_each_allowlist_row(helm):
-    from sharded_operator.api.overrides import ROWS, Allow
+    from sharded_operator.api.allowlist import Allow
+    from sharded_operator.api.overrides import ROWS
 
     [policy] = find(render(helm), "ValidatingAdmissionPolicy")
     [binding] = find(render(helm), "ValidatingAdmissionPolicyBinding")

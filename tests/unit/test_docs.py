@@ -190,3 +190,14 @@ def test_the_default_scan_reads_each_way_the_docs_write_one(tmp_path, monkeypatc
     doc.write_text(line)
     monkeypatch.setattr(__import__(__name__), "DOCS", [doc])
     assert [d[1:] for d in documented_defaults()] == [expected]
+
+
+def test_no_module_outside_the_tests_is_over_400_lines():
+    """The house's rule: a module does one thing; one that grows past 400 lines is split by concern."""
+    long = [
+        f"{p.relative_to(ROOT)}: {n}"
+        for top in ("api", "operator", "trainer", "hack", "bench")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 400
+    ]
+    assert not long, long

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from sharded_operator.api import overrides
-from sharded_operator.api.overrides import NAMES, ROWS, Allow, PodOverride, forbidden, outside
+from sharded_operator.api.allowlist import Allow
+from sharded_operator.api.overrides import NAMES, ROWS, PodOverride, forbidden, outside
 from sharded_operator.render import podspec
 from sharded_operator.settings import OperatorSettings
 from support.jobs import make_job

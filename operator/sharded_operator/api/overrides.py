@@ -14,7 +14,6 @@ projected source is refused until a row admits it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -23,15 +22,29 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-# Volume types a plain pod may use without reaching anything of the namespace's but its own claims and
-# ConfigMaps: no Secret, no ServiceAccount token, nothing of the host's, no network or CSI driver.
-VOLUME_KEYS = ("name", "emptyDir", "configMap", "downwardAPI", "persistentVolumeClaim", "projected")
-# A projected volume may combine only these (serviceAccountToken would undo automountServiceAccountToken).
-PROJECTED_SOURCES = ("configMap", "downwardAPI")
-# Node labels and taints that mark the control plane: a training pod has no business there.
-CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
-DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-DEFAULT_RDMA_RESOURCE = "rdma/ib"
+from sharded_operator.api.allowlist import (
+    CONTROL_PLANE_CEL,
+    CONTROL_PLANE_KEYS,
+    CP_KEYS_CEL,
+    DEFAULT_GPU_RESOURCE,
+    DEFAULT_RDMA_RESOURCE,
+    NO_SECRET_ENV,
+    NO_SECRET_ENV_FROM,
+    POD_CEL,
+    PROJECTED_SOURCES,
+    VOLUME_KEYS,
+    Allow,
+    affinity_keys,
+    cel_if_set,
+    cel_list,
+    cel_or,
+    containers,
+    dig,
+    each_container,
+    env_reads_secret,
+    infiniband_ok,
+    volume_ok,
+)
 
 
 class PodOverride(StrEnum):
@@ -50,106 +63,6 @@ class PodOverride(StrEnum):
     LABELS = "labels"
     CONTAINER_SECURITY_CONTEXT = "containerSecurityContext"
     CONTAINER_SECRET_ENV = "containerSecretEnv"
-
-
-@dataclass(frozen=True)
-class Allow:
-    """The allowlist's parameters, as the cluster admin sets them (chart values `podPolicy.*`)."""
-
-    annotation_prefixes: tuple[str, ...] = ()
-    gpu_resources: tuple[str, ...] = (DEFAULT_GPU_RESOURCE,)
-    rdma_resources: tuple[str, ...] = (DEFAULT_RDMA_RESOURCE,)
-
-    def variables(self) -> dict[str, str]:
-        """The policy's CEL variables for these parameters (JSON lists are CEL list literals)."""
-        return {
-            "annotationPrefixes": json.dumps(list(self.annotation_prefixes)),
-            "gpuResources": json.dumps(list(self.gpu_resources)),
-            "rdmaResources": json.dumps(list(self.rdma_resources)),
-        }
-
-
-# --- the Python side: predicates over the spec's camelCase dump ------------------------------------
-
-
-def _get(d: Any, *path: str, default: Any = None) -> Any:
-    for key in path:
-        if not isinstance(d, dict) or d.get(key) is None:
-            return default
-        d = d[key]
-    return d
-
-
-def _containers(s: dict) -> list[dict]:
-    return [*(_get(s, "pod", "initContainers") or []), *(_get(s, "pod", "sidecars") or [])]
-
-
-def _env_reads_secret(env: list) -> bool:
-    return any(isinstance(e, dict) and "secretKeyRef" in (e.get("valueFrom") or {}) for e in env)
-
-
-def _volume_ok(v: dict) -> bool:
-    sources = _get(v, "projected", "sources") or []
-    return all(k in VOLUME_KEYS for k in v) and all(all(k in PROJECTED_SOURCES for k in src) for src in sources)
-
-
-def _affinity_keys(s: dict) -> list[str]:
-    node = _get(s, "scheduling", "affinity", "nodeAffinity") or {}
-    terms = _get(node, "requiredDuringSchedulingIgnoredDuringExecution", "nodeSelectorTerms") or []
-    prefs = [p.get("preference") or {} for p in node.get("preferredDuringSchedulingIgnoredDuringExecution") or []]
-    return [e.get("key") for t in [*terms, *prefs] for e in t.get("matchExpressions") or []]
-
-
-def _infiniband_ok(s: dict, allow: Allow) -> bool:
-    if not _get(s, "network", "infiniband", "enabled", default=False):
-        return True
-    return (
-        _get(s, "resources", "gpusPerNode", default=0) > 0
-        and _get(s, "resources", "gpuResourceName", default=DEFAULT_GPU_RESOURCE) in allow.gpu_resources
-        and _get(s, "network", "infiniband", "resourceName", default=DEFAULT_RDMA_RESOURCE) in allow.rdma_resources
-    )
-
-
-# --- the CEL side: the same checks over `object.spec` -------------------------------------------
-
-_POD = "object.spec.pod"
-
-
-def _opt(path: str, then: str) -> str:
-    """`then` where every optional step of `path` (below object.spec) is set; true otherwise."""
-    parts = path.split(".")
-    guards = [f"has({'.'.join(parts[: i + 1])})" for i in range(2, len(parts))]
-    return f"!({' && '.join(guards)}) || {then}" if guards else then
-
-
-def _cel_list(values: tuple[str, ...]) -> str:
-    return json.dumps(list(values))
-
-
-def _cel_or(path: str, default: Any) -> str:
-    parts = path.split(".")
-    guards = " && ".join(f"has({'.'.join(parts[: i + 1])})" for i in range(2, len(parts)))
-    return f"({guards} ? {path} : {json.dumps(default)})"
-
-
-def _each_container(body: str) -> str:
-    return " && ".join(f"({_opt(f'{_POD}.{kind}', f'{_POD}.{kind}.all(c, {body})')})"
-                       for kind in ("initContainers", "sidecars"))  # fmt: skip
-
-
-_NO_SECRET_ENV = "(!has(c.env) || c.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef)))"
-_NO_SECRET_ENV_FROM = "(!has(c.envFrom) || c.envFrom.all(f, !has(f.secretRef)))"
-_CP = _cel_list(CONTROL_PLANE_KEYS)
-_NA = "object.spec.scheduling.affinity.nodeAffinity"
-_REQ = f"{_NA}.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
-_PREF = f"{_NA}.preferredDuringSchedulingIgnoredDuringExecution"
-_NOT_CP = f"!(e.key in {_CP})"
-_CONTROL_PLANE_CEL = " && ".join(f"({_opt(path, then)})" for path, then in (
-    ("object.spec.scheduling.nodeSelector", f"object.spec.scheduling.nodeSelector.all(k, !(k in {_CP}))"),
-    (_REQ, f"{_REQ}.all(t, !has(t.matchExpressions) || t.matchExpressions.all(e, {_NOT_CP}))"),
-    (_PREF, f"{_PREF}.all(w, !has(w.preference) || !has(w.preference.matchExpressions) || "
-            f"w.preference.matchExpressions.all(e, {_NOT_CP}))"),
-))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -180,13 +93,13 @@ ROWS: tuple[Override, ...] = (
         "spec.pod.volumes",
         "a volume other than emptyDir, configMap, downwardAPI, persistentVolumeClaim or a projected configMap/"
         "downwardAPI (a Secret, a ServiceAccount token, hostPath, a network or CSI volume)",
-        _opt(
-            f"{_POD}.volumes",
-            f"{_POD}.volumes.all(v, v.all(k, k in {_cel_list(VOLUME_KEYS)}) && "
+        cel_if_set(
+            f"{POD_CEL}.volumes",
+            f"{POD_CEL}.volumes.all(v, v.all(k, k in {cel_list(VOLUME_KEYS)}) && "
             f"(!has(v.projected) || !has(v.projected.sources) || "
-            f"v.projected.sources.all(s, s.all(k, k in {_cel_list(PROJECTED_SOURCES)}))))",
+            f"v.projected.sources.all(s, s.all(k, k in {cel_list(PROJECTED_SOURCES)}))))",
         ),
-        lambda s, a: all(_volume_ok(v) for v in _get(s, "pod", "volumes") or []),
+        lambda s, a: all(volume_ok(v) for v in dig(s, "pod", "volumes") or []),
         risky=(
             {"pod.volumes": [{"name": "host", "hostPath": {"path": "/etc"}}]},
             {"pod.volumes": [{"name": "creds", "secret": {"secretName": "db"}}]},
@@ -220,11 +133,12 @@ ROWS: tuple[Override, ...] = (
         PodOverride.ANNOTATIONS,
         "spec.pod.annotations",
         "a pod annotation outside the prefixes the cluster admin allows (cloud IAM roles, AppArmor profiles)",
-        _opt(
-            f"{_POD}.annotations", f"{_POD}.annotations.all(k, variables.annotationPrefixes.exists(p, k.startsWith(p)))"
+        cel_if_set(
+            f"{POD_CEL}.annotations",
+            f"{POD_CEL}.annotations.all(k, variables.annotationPrefixes.exists(p, k.startsWith(p)))",
         ),
         lambda s, a: all(
-            any(k.startswith(p) for p in a.annotation_prefixes) for k in _get(s, "pod", "annotations") or {}
+            any(k.startswith(p) for p in a.annotation_prefixes) for k in dig(s, "pod", "annotations") or {}
         ),
         risky=(
             {"pod.annotations": {"iam.amazonaws.com/role": "admin"}},
@@ -239,8 +153,8 @@ ROWS: tuple[Override, ...] = (
         "(has(object.spec.network.infiniband) && has(object.spec.network.infiniband.enabled) && "
         "object.spec.network.infiniband.enabled)",
         lambda s, a: (
-            not _get(s, "network", "hostNetwork", default=False)
-            or _get(s, "network", "infiniband", "enabled", default=False)
+            not dig(s, "network", "hostNetwork", default=False)
+            or dig(s, "network", "infiniband", "enabled", default=False)
         ),
         risky=({"network.hostNetwork": True},),
     ),
@@ -251,10 +165,10 @@ ROWS: tuple[Override, ...] = (
         "other than the cluster's",
         "!has(object.spec.network) || !has(object.spec.network.infiniband) || "
         "!has(object.spec.network.infiniband.enabled) || !object.spec.network.infiniband.enabled || ("
-        f"{_cel_or('object.spec.resources.gpusPerNode', 0)} > 0 && "
-        f"{_cel_or('object.spec.resources.gpuResourceName', DEFAULT_GPU_RESOURCE)} in variables.gpuResources && "
-        f"{_cel_or('object.spec.network.infiniband.resourceName', DEFAULT_RDMA_RESOURCE)} in variables.rdmaResources)",
-        _infiniband_ok,
+        f"{cel_or('object.spec.resources.gpusPerNode', 0)} > 0 && "
+        f"{cel_or('object.spec.resources.gpuResourceName', DEFAULT_GPU_RESOURCE)} in variables.gpuResources && "
+        f"{cel_or('object.spec.network.infiniband.resourceName', DEFAULT_RDMA_RESOURCE)} in variables.rdmaResources)",
+        infiniband_ok,
         risky=(
             {
                 "resources": {"gpusPerNode": 1, "gpuResourceName": "cpu"},
@@ -270,9 +184,9 @@ ROWS: tuple[Override, ...] = (
         PodOverride.HOST_PORT,
         "spec.pod.initContainers/sidecars[].ports",
         "a hostPort (a port of the node's own address)",
-        _each_container("!has(c.ports) || c.ports.all(p, !has(p.hostPort))"),
+        each_container("!has(c.ports) || c.ports.all(p, !has(p.hostPort))"),
         lambda s, a: (
-            not any("hostPort" in p for c in _containers(s) for p in c.get("ports") or [] if isinstance(p, dict))
+            not any("hostPort" in p for c in containers(s) for p in c.get("ports") or [] if isinstance(p, dict))
         ),
         risky=({"pod.sidecars": [{"name": "s", "image": "i", "ports": [{"containerPort": 80, "hostPort": 80}]}]},),
         safe=({"pod.sidecars": [{"name": "s", "image": "i", "ports": [{"containerPort": 80}]}]},),
@@ -281,12 +195,12 @@ ROWS: tuple[Override, ...] = (
         PodOverride.TOLERATIONS,
         "spec.scheduling.tolerations",
         "a toleration that names no taint key, or a control-plane taint",
-        _opt(
+        cel_if_set(
             "object.spec.scheduling.tolerations",
-            f"object.spec.scheduling.tolerations.all(t, has(t.key) && t.key != '' && !(t.key in {_CP}))",
+            f"object.spec.scheduling.tolerations.all(t, has(t.key) && t.key != '' && !(t.key in {CP_KEYS_CEL}))",
         ),
         lambda s, a: all(
-            t.get("key") and t["key"] not in CONTROL_PLANE_KEYS for t in _get(s, "scheduling", "tolerations") or []
+            t.get("key") and t["key"] not in CONTROL_PLANE_KEYS for t in dig(s, "scheduling", "tolerations") or []
         ),
         risky=(
             {"scheduling.tolerations": [{"operator": "Exists"}]},
@@ -298,11 +212,9 @@ ROWS: tuple[Override, ...] = (
         PodOverride.CONTROL_PLANE,
         "spec.scheduling.nodeSelector/affinity",
         "placement on control-plane nodes",
-        _CONTROL_PLANE_CEL,
+        CONTROL_PLANE_CEL,
         lambda s, a: (
-            not any(
-                k in CONTROL_PLANE_KEYS for k in [*(_get(s, "scheduling", "nodeSelector") or {}), *_affinity_keys(s)]
-            )
+            not any(k in CONTROL_PLANE_KEYS for k in [*(dig(s, "scheduling", "nodeSelector") or {}), *affinity_keys(s)])
         ),
         risky=(
             {"scheduling.nodeSelector": {CONTROL_PLANE_KEYS[0]: ""}},
@@ -324,24 +236,24 @@ ROWS: tuple[Override, ...] = (
         PodOverride.SERVICE_ACCOUNT_NAME,
         "spec.pod.serviceAccountName",
         "another ServiceAccount",
-        f"!has({_POD}) || !has({_POD}.serviceAccountName)",
-        lambda s, a: _get(s, "pod", "serviceAccountName") is None,
+        f"!has({POD_CEL}) || !has({POD_CEL}.serviceAccountName)",
+        lambda s, a: dig(s, "pod", "serviceAccountName") is None,
         risky=({"pod.serviceAccountName": "admin"},),
     ),
     Override(
         PodOverride.SECRET_ENV,
         "spec.pod.env",
         "an env value from a Secret",
-        _opt(f"{_POD}.env", f"{_POD}.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))"),
-        lambda s, a: not _env_reads_secret(_get(s, "pod", "env") or []),
+        cel_if_set(f"{POD_CEL}.env", f"{POD_CEL}.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef))"),
+        lambda s, a: not env_reads_secret(dig(s, "pod", "env") or []),
         risky=({"pod.env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},),
     ),
     Override(
         PodOverride.LABELS,
         "spec.pod.labels",
         "an extra pod label (which can join other Services)",
-        _opt(f"{_POD}.labels", f"size({_POD}.labels) == 0"),
-        lambda s, a: not _get(s, "pod", "labels"),
+        cel_if_set(f"{POD_CEL}.labels", f"size({POD_CEL}.labels) == 0"),
+        lambda s, a: not dig(s, "pod", "labels"),
         risky=({"pod.labels": {"app": "payments"}},),
     ),
     # Without one, an added container gets the trainer's restricted securityContext; its own can ask for more.
@@ -349,8 +261,8 @@ ROWS: tuple[Override, ...] = (
         PodOverride.CONTAINER_SECURITY_CONTEXT,
         "spec.pod.initContainers/sidecars",
         "a securityContext of an added container",
-        _each_container("!has(c.securityContext)"),
-        lambda s, a: not any("securityContext" in c for c in _containers(s)),
+        each_container("!has(c.securityContext)"),
+        lambda s, a: not any("securityContext" in c for c in containers(s)),
         risky=({"pod.sidecars": [{"name": "ship", "image": "busybox", "securityContext": {"privileged": True}}]},),
     ),
     # An added container's own env is a second way to a Secret: the same check as spec.pod.env.
@@ -358,12 +270,12 @@ ROWS: tuple[Override, ...] = (
         PodOverride.CONTAINER_SECRET_ENV,
         "spec.pod.initContainers/sidecars[].env",
         "an env value from a Secret in an added container",
-        _each_container(f"{_NO_SECRET_ENV} && {_NO_SECRET_ENV_FROM}"),
+        each_container(f"{NO_SECRET_ENV} && {NO_SECRET_ENV_FROM}"),
         lambda s, a: (
             not any(
-                _env_reads_secret(c.get("env") or [])
+                env_reads_secret(c.get("env") or [])
                 or any(isinstance(f, dict) and "secretRef" in f for f in c.get("envFrom") or [])
-                for c in _containers(s)
+                for c in containers(s)
             )
         ),
         risky=(

@@ -1,0 +1,48 @@
+"""The local control plane from the command line (`make cluster-up`, `make cluster-down`):
+
+PYTHONPATH=hack python -m localstack up [--dir .cluster] [--gpu-nodes 4]   # prints the kubeconfig path
+PYTHONPATH=hack python -m localstack down [--dir .cluster]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from localstack.cluster import ROOT, LocalCluster, binaries_dir
+from localstack.processes import stop_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "down"])
+    parser.add_argument("--dir", type=Path, default=ROOT / ".cluster", help="state directory")
+    parser.add_argument("--gpu-nodes", type=int, default=4, help="KWOK nodes with 8 GPUs each")
+    args = parser.parse_args(argv)
+    workdir = args.dir.resolve()
+    if args.command == "down":
+        stop_dir(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"stopped the cluster in {workdir}", file=sys.stderr)
+        return 0
+    stop_dir(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    started = time.monotonic()
+    cluster = LocalCluster(workdir=workdir, bin_dir=binaries_dir(), gpu_nodes=args.gpu_nodes).start()
+    print(
+        f"cluster ready in {time.monotonic() - started:.0f}s (API {cluster.server}, logs in {workdir / 'logs'})\n"
+        f"  export KUBECONFIG={cluster.kubeconfig}\n"
+        f"  export PATH={cluster.bin_dir}:$PATH   # kubectl and helm\n"
+        f"stop it with: make cluster-down",
+        file=sys.stderr,
+    )
+    print(cluster.kubeconfig)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

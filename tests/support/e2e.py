@@ -62,9 +62,22 @@ class Jobs:
         tails = [f"--- {p.parent.name}\n{p.read_text()[-1500:]}" for p in logs]
         return "\n".join([f"lastFailure: {status.get('lastFailure')}", *said, *tails])
 
-    def event_reasons(self, name: str) -> list[str]:
+    def event_notes(self, name: str) -> list[tuple[str, str]]:
         events = self.stack.cluster.api("GET", f"/apis/events.k8s.io/v1/namespaces/{NS}/events")["items"]
-        return [e["reason"] for e in events if (e.get("regarding") or {}).get("name") == name]
+        return [(e["reason"], e.get("note", "")) for e in events if (e.get("regarding") or {}).get("name") == name]
+
+    def event_reasons(self, name: str, until=lambda reasons: True, timeout: float = 30) -> list[str]:
+        """The reasons of the job's events, once `until(reasons)` holds: the operator sends a decision's events
+        after the status write that records it, so a status just seen may not have its events yet."""
+        reasons: list[str] = []
+
+        def seen() -> bool:
+            nonlocal reasons
+            reasons = [r for r, _ in self.event_notes(name)]
+            return until(reasons)
+
+        wait_for(seen, timeout=timeout, interval=0.5, what=f"the events of {name} (so far {reasons})")
+        return reasons
 
     def runs(self, name: str, store: bool = False):
         """The node agent's runs of the job's training pods (and, with `store`, of its rendezvous store pod)."""

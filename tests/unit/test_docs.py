@@ -1,17 +1,10 @@
 """The front door stays true to the tree: the README's size and module map, every relative link of the docs,
-the index of bench/results, and every default the docs state equal to the code's."""
+the index of bench/results, the size of every module (the defaults the docs state: test_documented_defaults)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
-
-import pytest
-import yaml
-from pydantic import BaseModel
-
-from sharded_operator.api.models import ShardedTrainingJobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -102,94 +95,6 @@ def test_bench_results_holds_a_folder_per_benchmark_and_its_index_lists_every_fi
     }
     assert sorted(p.name for p in results.iterdir() if p.is_dir()) == sorted(sections)
     assert on_disk == listed, f"unlisted: {sorted(on_disk - listed)}; gone: {sorted(listed - on_disk)}"
-
-
-# --- defaults the docs state ----------------------------------------------------------------------------
-
-# `name` (default `V`, `name` (default V), `name` (60 s): a number in brackets), `name`, default `V`
-DEFAULT = re.compile(
-    r"`(?P<a>[A-Za-z][\w.]*)`,? \(default `(?P<av>[^`]+)`"
-    r"|`(?P<d>[A-Za-z][\w.]*)`,? \(default (?P<dv>[\w.-]+)\)"
-    r"|`(?P<b>[A-Za-z][\w.]*)` \((?P<bv>\d+)(?: s)?\)"
-    r"|`(?P<c>[A-Za-z][\w.]*)`, default `(?P<cv>[^`]+)`"
-)
-
-
-def documented_defaults() -> list[tuple[str, str, str]]:
-    found = []
-    for doc in DOCS:
-        if doc.name == "benchmarks-history.md":  # a journal of what was measured then
-            continue
-        for m in DEFAULT.finditer(doc.read_text()):
-            name, value = next((m[k], m[k + "v"]) for k in "adbc" if m[k])
-            if re.fullmatch(r"\[?[\w\-.,: ]+\]?", value):
-                found.append((doc.name, name, value))
-    return found
-
-
-def _field(model: type[BaseModel], path: list[str]) -> Any:
-    """The default of the field at `path` (camelCase) in `model`, or KeyError."""
-    by_alias = {(f.alias or n): (n, f) for n, f in model.model_fields.items()}
-    _, f = by_alias[path[0]]
-    if len(path) == 1:
-        return f.get_default(call_default_factory=True)
-    sub = f.annotation
-    sub = next(a for a in getattr(sub, "__args__", (sub,)) if isinstance(a, type) and issubclass(a, BaseModel))
-    return _field(sub, path[1:])
-
-
-def code_default(name: str) -> Any:
-    """What the code says `name` defaults to: a field of the job spec (by path, or a name unique among its
-    parts), a chart value, or an image's build argument."""
-    if name.isupper():
-        dockerfile = (ROOT / "operator" / "Dockerfile").read_text()
-        return re.search(rf"^ARG {name}=(\S+)", dockerfile, re.M).group(1)
-    try:
-        return _field(ShardedTrainingJobSpec, name.split("."))
-    except (KeyError, StopIteration):
-        pass
-    for part in ("failurePolicy", "runPolicy", "rendezvous", "checkpoint", "elastic", "network"):
-        try:
-            return _field(ShardedTrainingJobSpec, [part, *name.split(".")])
-        except (KeyError, StopIteration):
-            continue
-    values: Any = yaml.safe_load((ROOT / "charts" / "sharded-training-operator" / "values.yaml").read_text())
-    for key in name.split("."):
-        values = values[key]
-    return values
-
-
-def test_every_default_the_docs_state_is_the_codes():
-    found = documented_defaults()
-    assert len(found) >= 8, found  # the failure policy's, the rendezvous', the chart's: the scan still finds them
-    wrong = []
-    for doc, name, value in found:
-        try:
-            actual = code_default(name)
-        except (KeyError, TypeError, AttributeError):
-            wrong.append(f"{doc}: `{name}` names no field, chart value or build argument")
-            continue
-        said = yaml.safe_load(value)
-        if isinstance(actual, list) and not isinstance(said, list):
-            said = [said]
-        if said != actual:
-            wrong.append(f"{doc}: `{name}` is documented as {value!r}; the code says {actual!r}")
-    assert not wrong, "\n".join(wrong)
-
-
-@pytest.mark.parametrize(
-    "line,expected",
-    [
-        ("`failurePolicy.nodeLostSeconds` (default 60)", ("failurePolicy.nodeLostSeconds", "60")),
-        ("`failurePolicy.permanentExitCodes`, default `[2, 4]`: x", ("failurePolicy.permanentExitCodes", "[2, 4]")),
-        ("`progress.writeSeconds` (10 s)", ("progress.writeSeconds", "10")),
-    ],
-)
-def test_the_default_scan_reads_each_way_the_docs_write_one(tmp_path, monkeypatch, line, expected):
-    doc = tmp_path / "x.md"
-    doc.write_text(line)
-    monkeypatch.setattr(__import__(__name__), "DOCS", [doc])
-    assert [d[1:] for d in documented_defaults()] == [expected]
 
 
 def test_no_module_outside_the_tests_is_over_400_lines():

@@ -14,8 +14,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "training.sharded.dev_shardedtrainingjobs.yaml"
 VALUES = ROOT / "charts" / "sharded-training-operator" / "values.yaml"
-# benchmarks.md reports measured counts beside names, not defaults.
-DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]
+# The benchmarks report measured counts beside names, not defaults.
+BENCHMARKS = ("benchmarks.md", "benchmarks-history.md")
+DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in BENCHMARKS)]
 # `field`, default `X` | `field` (default `X` ... | `field` (default X | `field` (N)
 STATED = re.compile(
     r"`(?P<path>[a-z][a-zA-Z0-9]*(?:\.[a-zA-Z][a-zA-Z0-9]*)*)`"

@@ -429,6 +429,9 @@ def test_a_decision_written_over_an_older_version_of_the_job_is_refused_by_the_a
     from sharded_operator.run.k8s import Kube
 
     ops.create(gpu_job().spec("runPolicy.suspend", True))
+    # The operator's first status write first: before it the job has no status to add a field to (422), and
+    # a loaded machine can take longer to start reconciling than this test takes to race it.
+    wait_for(lambda: ops.status().get("phase") == "Suspended", what="the operator's first status")
     job = ops.job()
     uid, seen = job["metadata"]["uid"], job["metadata"]["resourceVersion"]
     ops.patch_spec({"runPolicy": {"suspend": True}, "failurePolicy": {"backoffLimit": 5}})  # any change

@@ -68,15 +68,22 @@ def lora_8b_runs() -> list[tuple[str, str, Job, Setting, float]]:
     return runs
 
 
+# Arms measured before a change of the trainer that the model follows, with the run that replaced them.
+SUPERSEDED_ARMS = {
+    # Compiled QLoRA kept every dequantized bf16 weight until backward, until RecomputedNF4Linear.
+    ("hf-pairs-8b-compiled-h200x1.txt", "hf-qlora-compiled"): "hf-pairs-8b-qlora-compiled-h100x1.txt",
+}
+
+
 def hf_pairs_runs() -> list[tuple[str, str, Job, Setting, float]]:
-    """bench/hf_pairs.sh on one H200: the trainer's arms (seq 2048, LoRA r16 on every linear), each arm's
-    peak as its last step window reported it."""
+    """bench/hf_pairs.sh on one GPU: the trainer's arms (seq 2048, LoRA r16 on every linear), each arm's
+    peak as its last step window reported it (not those of SUPERSEDED_ARMS)."""
     runs = []
     for path in sorted(RESULTS.rglob("hf-pairs-*.txt"), key=lambda p: p.name):
         head = dict(kv.split("=", 1) for kv in path.read_text().splitlines()[0].split() if "=" in kv)
         shape = load_shape({"1b": "llama-1b", "8b": "llama-8b"}[head["shape"]])
         for label, arm in hf_pairs.parse(path).items():
-            if label.startswith("peer"):
+            if label.startswith("peer") or (path.name, label) in SUPERSEDED_ARMS:
                 continue
             lora = "lora" in label
             job = Job(shape, int(head["procs"]), int(head["batch"]), int(head["seq"]), lora_r=16 if lora else None,

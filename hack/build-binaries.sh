@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl, kwok, helm) and actionlint from Go modules into a cache under $HOME. Each binary is cached
-# under its own name and version (hack/versions.env), so bumping one tool rebuilds only that tool.
+# kubectl, kwok, helm), Kueue, the gang schedulers (Volcano, scheduler-plugins) and actionlint from Go
+# modules into a cache under $HOME. Each binary is cached under its own name and version
+# (hack/versions.env), so bumping one tool rebuilds only that tool.
 # Prints a directory of links to the binaries on the last line of stdout; progress goes to stderr.
 set -euo pipefail
 
@@ -25,8 +26,11 @@ declare -A version=(
   [kube-apiserver]=$KUBERNETES_VERSION [kube-controller-manager]=$KUBERNETES_VERSION
   [kube-scheduler]=$KUBERNETES_VERSION [kubectl]=$KUBERNETES_VERSION [etcd]=$ETCD_VERSION
   [kwok]=$KWOK_VERSION-$(sha256sum "$here/patches/kwok-pod-uid.patch" | cut -c1-8) [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION [kueue]=$KUEUE_VERSION
+  [vc-scheduler]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION [vc-controller-manager]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION
+  [coscheduler]=$SCHEDULER_PLUGINS_VERSION
 )
-order=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm actionlint kueue)
+order=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm actionlint kueue
+       vc-scheduler vc-controller-manager coscheduler)
 
 missing=0
 for b in "${order[@]}"; do
@@ -85,6 +89,22 @@ patched_kwok() {
   echo "$dir"
 }
 
+# A module built as the main module, from a writable copy of its source: Volcano and scheduler-plugins pin
+# their Kubernetes libraries with replace directives, which hold only in the main module. REPLACE (optional,
+# "old=new@version") stands in for a module the published source lacks. Prints the copy's directory.
+main_module() {  # main_module MODULE VERSION [REPLACE]
+  local dir="$work/src-${1//\//_}@$2" src
+  if [ ! -f "$dir/.ready" ]; then
+    src="$(cd "$(wrapper "$1" "$2")" && go mod download -json "$1@$2" \
+      | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+    rm -rf "$dir" && mkdir -p "$dir"
+    cp -R "$src/." "$dir/" && chmod -R u+w "$dir"
+    if [ -n "${3:-}" ]; then (cd "$dir" && go mod edit -replace "$3"); fi
+    touch "$dir/.ready"
+  fi
+  echo "$dir"
+}
+
 step=0
 build() {  # build NAME MODULE PACKAGE [LDFLAGS]
   local name="$1" module="$2" pkg="$3" ldflags="${4:-}" ver="${version[$1]}"
@@ -93,7 +113,12 @@ build() {  # build NAME MODULE PACKAGE [LDFLAGS]
   if [ ! -x "$out" ]; then
     log "[$step/${#order[@]}] $name $ver: building $pkg (several minutes on 2 cores)"
     local start=$SECONDS dir
-    if [ "$name" = kwok ]; then dir="$(patched_kwok)"; else dir="$(wrapper "$module" "$ver")"; fi
+    case "$name" in
+      kwok) dir="$(patched_kwok)" ;;
+      vc-*) dir="$(main_module volcano.sh/volcano "$VOLCANO_VERSION" "volcano.sh/apis=volcano.sh/apis@$VOLCANO_APIS_VERSION")" ;;
+      coscheduler) dir="$(main_module sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS_VERSION")" ;;
+      *) dir="$(wrapper "$module" "$ver")" ;;
+    esac
     (cd "$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out.tmp" "$pkg")
     mv "$out.tmp" "$out"
     log "[$step/${#order[@]}] $name: built in $((SECONDS - start))s"
@@ -127,6 +152,30 @@ if [ ! -d "$kueue_config" ]; then
   chmod -R u+w "$kueue_config.tmp" && mv "$kueue_config.tmp" "$kueue_config"
 fi
 ln -sfn "$kueue_config" "$bin_dir/kueue-config"
+
+# The gang schedulers, each from its own module as its release builds it: Volcano's scheduler and controller
+# manager, and scheduler-plugins' kube-scheduler (which has the coscheduling plugin compiled in).
+build vc-scheduler volcano.sh/volcano ./cmd/scheduler
+build vc-controller-manager volcano.sh/volcano ./cmd/controller-manager
+build coscheduler sigs.k8s.io/scheduler-plugins ./cmd/scheduler
+# Their CRDs, and the scheduler configuration Volcano's chart installs, from the same module versions.
+volcano_config="$store/volcano-config@$VOLCANO_VERSION"
+if [ ! -d "$volcano_config" ]; then
+  src="$(main_module volcano.sh/volcano "$VOLCANO_VERSION" "volcano.sh/apis=volcano.sh/apis@$VOLCANO_APIS_VERSION")"
+  mkdir -p "$volcano_config.tmp/crd"
+  cp "$src"/config/crd/volcano/bases/*.yaml "$volcano_config.tmp/crd/"
+  cp "$src/installer/helm/chart/volcano/config/volcano-scheduler.conf" "$volcano_config.tmp/"
+  mv "$volcano_config.tmp" "$volcano_config"
+fi
+ln -sfn "$volcano_config" "$bin_dir/volcano-config"
+coscheduling_config="$store/coscheduling-config@$SCHEDULER_PLUGINS_VERSION"
+if [ ! -d "$coscheduling_config" ]; then
+  src="$(main_module sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS_VERSION")"
+  mkdir -p "$coscheduling_config.tmp"
+  cp "$src/manifests/coscheduling/crd.yaml" "$coscheduling_config.tmp/"
+  mv "$coscheduling_config.tmp" "$coscheduling_config"
+fi
+ln -sfn "$coscheduling_config" "$bin_dir/coscheduling-config"
 
 [ "$missing" -eq 0 ] || log "all binaries ready"
 echo "$bin_dir"

@@ -133,3 +133,12 @@ def world4_run(tmp_path_factory):
         return made[strategy]
 
     return get
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """item.call_failed: whether the test's body failed, for fixtures that explain a failure at tear-down."""
+    report = yield
+    if report.when == "call":
+        item.call_failed = report.failed
+    return report

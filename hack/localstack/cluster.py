@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from localstack.pki import HOST, kubeconfig, write_pki
-from localstack.processes import stop_dir
+from localstack.processes import stop_dir, stop_pid_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_CIDR = "10.96.0.0/16"
@@ -94,7 +94,17 @@ class LocalCluster:
             return self.api_port
         return int(next(a.split("=", 1)[1] for a in self.procs[name].args if a.startswith("--secure-port=")))
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def stop_component(self, name: str) -> None:
+        """Stop one component started by spawn() (its whole process group)."""
+        self.procs.pop(name, None)
+        stop_pid_file(self.workdir / "pids" / name)
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        log = self.workdir / "logs" / f"{name}.log"
+        return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        """Run a component (a scheduler, a controller) from the binaries, stopped with the cluster."""
         log = open(self.workdir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         # A session of its own, so stop() can kill the whole process group even if we die first.
         proc = subprocess.Popen(
@@ -168,7 +178,7 @@ class LocalCluster:
         self.kubeconfig.write_text(json.dumps(kubeconfig(pki, self.server), indent=2))
         kc = str(self.kubeconfig)
         try:
-            self._spawn(
+            self.spawn(
                 "etcd",
                 [
                     "etcd",
@@ -182,7 +192,7 @@ class LocalCluster:
                     "--log-level=warn",
                 ],
             )
-            self._spawn(
+            self.spawn(
                 "kube-apiserver",
                 [
                     "kube-apiserver",
@@ -222,7 +232,7 @@ class LocalCluster:
                 ],
             )
             self._wait_ready(timeout - (time.monotonic() - started))
-            self._spawn(
+            self.spawn(
                 "kube-controller-manager",
                 [
                     "kube-controller-manager",
@@ -234,11 +244,11 @@ class LocalCluster:
                     "--v=1",
                 ],
             )
-            self._spawn(
+            self.spawn(
                 "kube-scheduler",
                 ["kube-scheduler", *self._controller_flags(kc), "--v=1"],
             )
-            self._spawn(
+            self.spawn(
                 "kwok",
                 [
                     "kwok",
@@ -277,8 +287,15 @@ class LocalCluster:
             raw = resp.read()
         return json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode()}
 
-    def add_gpu_node(self, name: str, capacity: dict[str, str] | None = None) -> None:
-        """Register a KWOK-managed node that advertises `nvidia.com/gpu` capacity."""
+    def add_gpu_node(
+        self,
+        name: str,
+        capacity: dict[str, str] | None = None,
+        labels: dict[str, str] | None = None,
+        taints: list[dict[str, str]] | None = None,
+    ) -> None:
+        """Register a KWOK-managed node that advertises `nvidia.com/gpu` capacity (with `labels` and `taints`:
+        a pool only the tests that tolerate it use)."""
         cap = capacity or GPU_NODE_CAPACITY
         self.api(
             "POST",
@@ -293,9 +310,11 @@ class LocalCluster:
                         "kubernetes.io/hostname": name,
                         "kubernetes.io/os": "linux",
                         "nvidia.com/gpu.present": "true",
+                        **(labels or {}),
                     },
                     "annotations": {"kwok.x-k8s.io/node": "fake"},
                 },
+                "spec": {"taints": taints or []},
                 "status": {"capacity": cap, "allocatable": cap},
             },
         )
@@ -327,8 +346,7 @@ class LocalCluster:
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
-                    tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{name} exited with {proc.returncode} during startup:\n{tail}")
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during startup:\n{self.log_tail(name)}")
             try:
                 if self.api("GET", "/readyz").get("raw") == "ok":
                     return

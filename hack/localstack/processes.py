@@ -18,17 +18,24 @@ def stop_dir(workdir: Path) -> None:
     order = ["kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
     files = sorted(pid_dir.iterdir(), key=lambda p: order.index(p.name) if p.name in order else -1)
     for f in files:
-        pid = int(f.read_text())
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and alive(pid):
-            time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-        f.unlink()
+        stop_pid_file(f)
+
+
+def stop_pid_file(f: Path) -> None:
+    """Stop the process group whose leader's pid `f` holds (SIGTERM, then SIGKILL after 10 s), and remove `f`."""
+    if not f.exists():
+        return
+    pid = int(f.read_text())
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive(pid):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    f.unlink()
 
 
 def alive(pid: int) -> bool:

@@ -189,8 +189,8 @@ def test_a_slow_holder_with_a_skewed_clock_and_its_successor_never_act_at_once(a
     server's audit); and every status decision, from either replica, landed over the version the previous
     one left (their logs), so neither decided from a view older than the other's writes."""
     from kubernetes import client
-    from test_operator import Ops
 
+    from support.ops import Ops
     from support.slow_proxy import SlowProxy
 
     cluster, core, custom, ha_namespace = audited

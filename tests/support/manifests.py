@@ -176,9 +176,9 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("fsdp-with-fp16", {"spec.trainer.precision": "fp16"}, "spec.trainer.precision"),
     (
-        "gang-with-elastic",
-        {"spec.scheduling": {"gang": {"enabled": True}}, "spec.elastic": {"minNodes": 1, "maxNodes": 2}},
-        "spec.scheduling.gang.enabled",
+        "volcano-queue-for-coscheduling",
+        {"spec.scheduling": {"gang": {"enabled": True, "provider": "scheduler-plugins", "queue": "research"}}},
+        "spec.scheduling.gang.queue",
     ),
     ("unknown-gang-provider", {"spec.scheduling": {"gang": {"provider": "kueue"}}}, "spec.scheduling.gang.provider"),
     ("name-too-long-for-hostnames", {"metadata.name": "a" * 51}, "metadata.name"),

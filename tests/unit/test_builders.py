@@ -196,11 +196,53 @@ def test_scheduling_knobs_kueue_and_volcano_gang():
 
 
 def test_scheduler_plugins_gang():
-    job = make_job().nodes(3).spec("scheduling", {"gang": {"enabled": True}}).model()
+    job = make_job().nodes(3).gpus(8).spec("scheduling", {"gang": {"enabled": True}}).model()
     pod = podspec.build_pod(job, 0, 1, SETTINGS)
     assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "j"
-    assert podgroup.build_pod_group(job)["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    group = podgroup.build_pod_group(job)
+    assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert group["spec"]["minMember"] == 3 and group["spec"]["scheduleTimeoutSeconds"] == 300
+    assert group["spec"]["minResources"]["nvidia.com/gpu"] == "24"
     assert podgroup.build_pod_group(make_job().model()) is None
+
+
+def test_the_gangs_minimum_is_the_sum_of_its_members_requests():
+    job = (
+        make_job().nodes(2).gpus(4)
+        .spec("resources.cpu", "1500m").spec("resources.memory", "64Gi")
+        .spec("network.infiniband", {"enabled": True, "resourceCount": 2})
+        .spec("scheduling", {"gang": {"enabled": True, "provider": "volcano", "queue": "research"}})
+        .model()
+    )  # fmt: skip
+    group = podgroup.build_pod_group(job)
+    assert group["spec"]["minResources"] == {
+        "cpu": "3", "memory": str(128 * 2**30), "nvidia.com/gpu": "8", "rdma/ib": "4",
+    }  # fmt: skip
+    assert group["spec"]["queue"] == "research"
+    pod = podspec.build_pod(job, 0, 1, SETTINGS)
+    assert pod["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "1500m"  # the pod keeps its spelling
+
+
+def test_an_elastic_gang_waits_only_for_min_nodes():
+    for provider in ("volcano", "scheduler-plugins"):
+        job = (
+            make_job().nodes(3).spec("elastic", {"minNodes": 2, "maxNodes": 4}).gpus(8)
+            .spec("scheduling", {"gang": {"enabled": True, "provider": provider}})
+            .model()
+        )  # fmt: skip
+        group = podgroup.build_pod_group(job)
+        assert group["spec"]["minMember"] == 2, provider
+        assert group["spec"]["minResources"]["nvidia.com/gpu"] == "16", provider
+
+
+def test_a_pod_group_drifts_only_in_the_fields_the_job_sets():
+    job = make_job().nodes(3).spec("scheduling", {"gang": {"enabled": True, "provider": "volcano"}}).model()
+    want = podgroup.build_pod_group(job)
+    same = {"spec": {**want["spec"], "queue": "default"}, "status": {"phase": "Running"}}  # the scheduler's queue
+    assert podgroup.drift(want, same) == {}
+    smaller = {"spec": {**want["spec"], "minMember": 2}}
+    assert podgroup.drift(want, smaller) == {"minMember": 3}
+    assert podgroup.drift(want, {}) == want["spec"]
 
 
 def test_checkpoint_claim_is_mounted_and_configured():

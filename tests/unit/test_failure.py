@@ -362,6 +362,17 @@ def test_why_a_pod_does_not_start_shows_in_status_at_once():
     assert not [c for c in plan.status.conditions if c.type == "PodsStuck"], "no timeout set: it waits quietly"
 
 
+def test_a_gang_shows_the_member_that_cannot_be_placed_not_those_waiting_for_it():
+    # Volcano's words for a gang of three where only the third does not fit (seen on the real scheduler).
+    why = "Schedulable: Pod ns/j-0 can possibly be assigned to node-0, once minAvailable is satisfied"
+    waiting = PodView(name="j-0", index=0, attempt=1, phase="Pending", stuck=why, stuck_since=ago(1))
+    starting = make_job().nodes(2).status(attempt=1, phase="Starting", startTime=ago(5))
+    plan = decide_on(starting, [waiting, unschedulable(1, 1)])
+    assert "pod j-1: Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu" in plan.status.message
+    plan = decide_on(starting, [waiting, PodView(name="j-1", index=1, attempt=1, phase="Pending")])
+    assert "pod j-0: Schedulable: Pod ns/j-0 can possibly be assigned" in plan.status.message  # the only word
+
+
 def test_a_pod_stuck_past_the_scheduling_timeout_raises_a_condition_and_one_event():
     starting = make_job().nodes(2).status(attempt=1, phase="Starting", startTime=ago(600))
     job = starting.spec("failurePolicy.schedulingTimeoutSeconds", 300)

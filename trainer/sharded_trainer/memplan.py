@@ -253,10 +253,8 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         act = tokens * (blocks * COMPILED_BLOCKS + s.vocab * LOGIT_BYTES * COMPILED_LOGITS)
     else:
         act = tokens * (blocks + s.vocab * LOGIT_BYTES)
-    if job.nf4 and job.compile:
-        # Compiled, the partitioner saves each block's dequantized bf16 weights for the backward instead of
-        # dequantizing again (measured: 8B QLoRA compiled peaks 3.3 GiB above bf16 LoRA compiled).
-        act += s.layers * s.block_linear_params * 2
+    # An NF4 weight is dequantized again for the backward pass, compiled too (RecomputedNF4Linear): QLoRA's
+    # activations are LoRA's (measured: 8B compiled QLoRA peaks the base weights' difference below LoRA).
     block_bf16 = 2 * (s.block_linear_params + 2 * s.hidden)
     # FSDP2 gathers the output head (or the tied embedding) for the logits, and the blocks in flight; without
     # resharding every block's gathered copy stays until backward. An NF4 weight is dequantized as it is used.

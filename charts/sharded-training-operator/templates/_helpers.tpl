@@ -58,5 +58,5 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   verbs: [create]
 - apiGroups: [scheduling.volcano.sh, scheduling.x-k8s.io]
   resources: [podgroups]
-  verbs: [get, create]
+  verbs: [get, create, patch]
 {{- end -}}

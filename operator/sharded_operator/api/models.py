@@ -120,12 +120,6 @@ SPEC_RULES = (
         bad=({"trainer": {"tensorboard": True}, "checkpoint": None},),
     ),
     Rule(
-        "scheduling.gang.enabled", "gang scheduling cannot be combined with elastic: a gang has a fixed size",
-        At("scheduling.gang.enabled").implies(~Has("elastic")),
-        good=({"scheduling": {"gang": {"enabled": True}}},),
-        bad=({"scheduling": {"gang": {"enabled": True}}, "elastic": {"minNodes": 1, "maxNodes": 2}},),
-    ),
-    Rule(
         "scheduling.queueName",
         "Kueue admits a job as one workload of a fixed size: it cannot be combined with elastic",
         Has("scheduling.queueName").implies(~Has("elastic")),

@@ -325,6 +325,21 @@ class Gang(ApiModel):
         "scheduler-plugins", description="Whose PodGroup API to use."
     )
     schedule_timeout_seconds: int = Field(300, ge=1, description="scheduler-plugins: give up after this long.")
+    queue: str | None = Field(
+        None,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="volcano: the Volcano Queue the PodGroup joins (unset: the scheduler's default queue).",
+    )
+
+    rules = (
+        Rule(
+            "queue", "is a Volcano Queue: set provider: volcano, or leave queue out",
+            Has("queue").implies(At("provider").eq("volcano")),
+            good=({"provider": "volcano", "queue": "research"}, {"provider": "scheduler-plugins"}),
+            bad=({"provider": "scheduler-plugins", "queue": "research"},),
+        ),
+    )  # fmt: skip
 
 
 class Scheduling(ApiModel):

@@ -29,7 +29,7 @@ from sharded_operator.decide.failure import (
 )
 from sharded_operator.decide.plan import Plan, announce, set_condition, set_phase, set_ready
 from sharded_operator.decide.recovery import follow_recovery, replace_alone
-from sharded_operator.decide.views import POD_FINISHED, Observed, PodView
+from sharded_operator.decide.views import POD_FINISHED, UNSCHEDULABLE, Observed, PodView
 
 # --- the decision -------------------------------------------------------------------------------
 
@@ -167,13 +167,17 @@ def decide(job: ShardedTrainingJob, obs: Observed, now: dt.datetime, grace: dict
             doing = f"interactive, JupyterLab on node 0 port {spec.interactive.port} (its log has the token)"
         set_phase(status, Phase.RUNNING, Reason.ALL_NODES_RUNNING, f"attempt {status.attempt}: {doing}", ts)
     else:
-        stuck = next(
-            (p for p in sorted(current, key=lambda p: p.index) if p.stuck and p.phase == PodPhase.PENDING), None
-        )
+        stuck = next((p for p in sorted(current, key=_telling) if p.stuck and p.phase == PodPhase.PENDING), None)
         message = f"{len(running)}/{spec.nodes} nodes running" + (f"; pod {stuck.name}: {stuck.stuck}" if stuck else "")
         set_phase(status, Phase.STARTING, Reason.PODS_STARTING, message, ts)
     record_stuck(plan, job, current, now)
     return plan
+
+
+def _telling(pod: PodView) -> tuple[bool, int]:
+    """The pod whose reason says most first: a gang scheduler marks the members it could place "Schedulable"
+    (waiting for the rest of the gang) and only the one that cannot be placed "Unschedulable", with why."""
+    return not (pod.stuck or "").startswith(f"{UNSCHEDULABLE}:"), pod.index
 
 
 def record_stuck(plan: Plan, job: ShardedTrainingJob, current: list[PodView], now: dt.datetime) -> None:

@@ -15,6 +15,9 @@ from sharded_operator.api.status import PodPhase
 POD_FINISHED = (PodPhase.SUCCEEDED, PodPhase.FAILED)
 
 
+# The PodScheduled reason of a pod no node can take (core/v1 PodReasonUnschedulable); gang schedulers also
+# write other reasons (Volcano: "Schedulable" for a member waiting on the rest of its gang).
+UNSCHEDULABLE = "Unschedulable"
 # Container waiting reasons that do not go away by waiting: the pod needs someone's attention.
 STUCK_WAITING = frozenset(
     {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}

@@ -32,6 +32,7 @@ from sharded_operator.render.names import (
 )
 from sharded_operator.render.podgroup import podgroup_metadata
 from sharded_operator.render.rendezvous import rendezvous_conf, rendezvous_endpoint, rendezvous_port
+from sharded_operator.render.resources import container_resources
 from sharded_operator.render.security import extra_container, pod_security, restricted
 from sharded_operator.settings import OperatorSettings
 
@@ -106,28 +107,6 @@ def _env(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
     ]
     out += [e.model_dump(by_alias=True, exclude_none=True) for e in s.pod.env]
     return out
-
-
-def _resources(job: ShardedTrainingJob) -> dict[str, Any]:
-    r = job.spec.resources
-    amounts: dict[str, str] = {}
-    if r.cpu is not None:
-        amounts["cpu"] = str(r.cpu)
-    if r.memory is not None:
-        amounts["memory"] = str(r.memory)
-    if r.gpus_per_node:
-        amounts[r.gpu_resource_name] = str(r.gpus_per_node)
-    ib = job.spec.network.infiniband
-    if ib.enabled:
-        amounts[ib.resource_name] = str(ib.resource_count)
-    # Requests equal limits unless the spec raises a limit: extended resources require it, and training wants
-    # Guaranteed QoS by default.
-    limits = dict(amounts)
-    if r.cpu_limit is not None:
-        limits["cpu"] = str(r.cpu_limit)
-    if r.memory_limit is not None:
-        limits["memory"] = str(r.memory_limit)
-    return {"requests": amounts, "limits": limits} if limits else {}
 
 
 def _placement(job: ShardedTrainingJob) -> dict[str, Any]:
@@ -257,7 +236,7 @@ def _pod(job: ShardedTrainingJob, index: int, attempt: int, settings: OperatorSe
     }
     if s.pod.image_pull_policy:
         container["imagePullPolicy"] = s.pod.image_pull_policy
-    if resources := _resources(job):
+    if resources := container_resources(job):
         container["resources"] = resources
     # Pod Security `restricted` by default; InfiniBand adds IPC_LOCK only (registering RDMA memory pins
     # pages), which needs the `privileged` level.

@@ -210,6 +210,22 @@ class Kube:
             raise
 
     @retrying
+    def read(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The existing object named like `obj`, of its kind and API version; None if gone."""
+        url = path(api_of(obj["apiVersion"]), namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"])
+        return self._get(url)
+
+    @retrying
+    def patch_spec(self, namespace: str, obj: dict[str, Any], fields: dict[str, Any]) -> None:
+        """Merge `fields` into the spec of the existing object named like `obj` (gone since: nothing to do)."""
+        url = path(api_of(obj["apiVersion"]), namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"])
+        try:
+            self.http.send("PATCH", url, body={"spec": fields}, content_type="application/merge-patch+json")
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+    @retrying
     def read_meta(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The metadata of the existing object named like `obj` (a Service, ConfigMap or claim); None if gone."""
         found = self._get(path("api/v1", namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"]))

@@ -346,9 +346,19 @@ def _ensure_children(ctx: Context, job: ShardedTrainingJob, body: dict[str, Any]
     # job's to resume from; one still owned by a deleted job, or being deleted, is not usable yet. A PodGroup
     # of the same name is the scheduler's, whoever made it.
     for child, made in zip(objects, _send(ctx, ns, objects), strict=True):
-        if made is None and child["kind"] != "PodGroup" and _held(ctx.kube.read_meta(ns, child), uid):
+        if made is None and child["kind"] == "PodGroup":
+            _follow_pod_group(ctx, ns, child)
+        elif made is None and _held(ctx.kube.read_meta(ns, child), uid):
             return f"{child['kind']} {child['metadata']['name']}"
     return None
+
+
+def _follow_pod_group(ctx: Context, namespace: str, group: dict[str, Any]) -> None:
+    """An existing PodGroup is brought to what the job asks now before its pods are created: the scheduler
+    would otherwise wait for a gang of the old size (nodes changed while suspended) or place one short."""
+    have = ctx.kube.read(namespace, group)
+    if have is not None and (fields := podgroup.drift(group, have)):
+        ctx.kube.patch_spec(namespace, group, fields)
 
 
 def owned(status: dict[str, Any]) -> dict[str, Any]:

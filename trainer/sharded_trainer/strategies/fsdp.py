@@ -95,7 +95,7 @@ class FsdpStrategy:
         self.mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
         ignored = None
         if cfg.lora is not None and cfg.lora.quantize_base == "nf4":  # before sharding: FSDP2 shards the 4-bit form
-            quantized = quantize_base(decoder_layers(net.module), shards=env.world)
+            quantized = quantize_base(decoder_layers(net.module), shards=env.world, compiled=cfg.strategy.fsdp.compile)
             self.layout += f", {len(quantized)} NF4 base weights"
             # One process has nothing to gather, and FSDP2's path for a world of one (torch 2.11) hands a
             # tensor subclass one all-gather output where NF4 has three: the weights stay outside it.

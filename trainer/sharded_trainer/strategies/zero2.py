@@ -101,7 +101,7 @@ class Zero2Strategy:
         if cfg.lora is not None and cfg.lora.quantize_base == "nf4":
             # After DeepSpeed has cast the module (a cast of an NF4 tensor dequantizes it): ZeRO-2 keeps the
             # whole base on every rank, so each weight is quantized whole, in place, and its bf16 form freed.
-            quantized = quantize_base(decoder_layers(self.model), shards=1)
+            quantized = quantize_base(decoder_layers(self.model), shards=1, compiled=cfg.strategy.zero2.compile)
             self.layout += f", {len(quantized)} NF4 base weights"
             # The engine and its ZeRO optimizer name parameters in a dict keyed by them, which would keep every
             # bf16 weight alive.

@@ -9,7 +9,13 @@ import torch
 from torch import nn
 from torch.profiler import profile
 
-from sharded_trainer.modeling.quantize import RecomputedNF4Linear, quantize_base
+from sharded_trainer.modeling.quantize import (
+    FusedNF4Linear,
+    RecomputedNF4Linear,
+    _fused_dequantize,
+    _NF4Matmul,
+    quantize_base,
+)
 
 pytestmark = pytest.mark.trainer
 D, TOKENS = 256, 64
@@ -56,7 +62,7 @@ def _step(block: GatedBlock, x: torch.Tensor):
 def test_a_compiled_qlora_block_recomputes_the_dequantized_weights_and_no_product():
     x = torch.randn(TOKENS, D, dtype=torch.bfloat16)
     eager = _block(compiled=False)
-    assert type(eager.gate) is nn.Linear  # eager mode keeps torchao's own linear (it saves the 4-bit weight)
+    assert type(eager.gate) is FusedNF4Linear  # on this CPU: torchao's own linear (it saves the 4-bit weight)
     _, _, expected = _step(eager, x.clone().requires_grad_(True))
 
     block = _block(compiled=True)
@@ -75,3 +81,23 @@ def test_a_compiled_qlora_block_recomputes_the_dequantized_weights_and_no_produc
     assert products == 6, products
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+
+
+def test_the_eager_linear_dequantizes_in_one_compiled_kernel_and_keeps_only_the_4_bit_weight():
+    """What FusedNF4Linear does on a GPU, run here on the CPU: the same products and gradients as torchao's
+    linear, and nothing but the 4-bit weight kept for backward."""
+    torch.manual_seed(1)
+    block = _block(compiled=False)
+    x = torch.randn(TOKENS, D, dtype=torch.bfloat16)
+    want_x = x.clone().requires_grad_(True)
+    want = nn.functional.linear(want_x, block.gate.weight)  # torchao's linear
+    want.float().square().sum().backward()
+
+    got_x = x.clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(type(t).__name__), t)[1], lambda t: t):
+        got = _NF4Matmul.apply(got_x, block.gate.weight, None, _fused_dequantize())
+    got.float().square().sum().backward()
+    assert saved == ["NF4Tensor"], saved
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_x.grad, want_x.grad, rtol=2e-2, atol=2e-2)

@@ -22,10 +22,9 @@ import yaml
 
 from localstack import cluster as localcluster
 from localstack.stack import install_crd
+from sharded_operator.render.podgroup import VOLCANO_API, VOLCANO_SCHEDULER
 
-VOLCANO_SCHEDULER = "volcano"  # the scheduler name Volcano's chart gives its scheduler
 COSCHEDULING_SCHEDULER = "scheduler-plugins-scheduler"  # the scheduler-plugins chart's second scheduler
-VOLCANO_API = "scheduling.volcano.sh/v1beta1"
 
 
 def wait_until(cluster: localcluster.LocalCluster, ready, timeout: float, what: str, components: tuple[str, ...]):

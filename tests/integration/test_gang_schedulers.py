@@ -16,9 +16,9 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
-from localstack.gang import COSCHEDULING_SCHEDULER, VOLCANO_SCHEDULER, LocalCoscheduling, LocalVolcano
+from localstack.gang import COSCHEDULING_SCHEDULER, LocalCoscheduling, LocalVolcano
 from sharded_operator.api.models import GROUP, PLURAL, VERSION
-from sharded_operator.render.podgroup import COSCHEDULING_API, VOLCANO_API
+from sharded_operator.render.podgroup import COSCHEDULING_API, VOLCANO_API, VOLCANO_SCHEDULER
 from support.jobs import make_job
 from support.ops import Ops
 

@@ -180,6 +180,16 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
         {"spec.scheduling": {"gang": {"enabled": True, "provider": "scheduler-plugins", "queue": "research"}}},
         "spec.scheduling.gang.queue",
     ),
+    (
+        "volcano-queue-not-a-name",
+        {"spec.scheduling": {"gang": {"enabled": True, "provider": "volcano", "queue": "Research Team!"}}},
+        "spec.scheduling.gang.queue",
+    ),
+    (
+        "volcano-queue-too-long",
+        {"spec.scheduling": {"gang": {"enabled": True, "provider": "volcano", "queue": "q" * 64}}},
+        "spec.scheduling.gang.queue",
+    ),
     ("unknown-gang-provider", {"spec.scheduling": {"gang": {"provider": "kueue"}}}, "spec.scheduling.gang.provider"),
     ("name-too-long-for-hostnames", {"metadata.name": "a" * 51}, "metadata.name"),
 ]

@@ -12,6 +12,7 @@ from sharded_operator.render.names import job_labels, job_name
 from sharded_operator.render.resources import container_resources
 
 VOLCANO_API = "scheduling.volcano.sh/v1beta1"
+VOLCANO_SCHEDULER = "volcano"  # the name Volcano's chart gives its scheduler: gang pods go there by default
 COSCHEDULING_API = "scheduling.x-k8s.io/v1alpha1"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 COSCHEDULING_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
@@ -70,5 +71,5 @@ def podgroup_metadata(job: ShardedTrainingJob) -> tuple[dict[str, str], dict[str
     if not sched.gang.enabled:
         return {}, {}, sched.scheduler_name
     if sched.gang.provider == "volcano":
-        return {}, {VOLCANO_GROUP_ANNOTATION: job_name(job)}, sched.scheduler_name or "volcano"
+        return {}, {VOLCANO_GROUP_ANNOTATION: job_name(job)}, sched.scheduler_name or VOLCANO_SCHEDULER
     return {COSCHEDULING_GROUP_LABEL: job_name(job)}, {}, sched.scheduler_name

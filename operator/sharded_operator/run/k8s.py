@@ -34,6 +34,11 @@ _RESOURCES = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps",
               "PersistentVolumeClaim": "persistentvolumeclaims", "PodGroup": "podgroups"}  # fmt: skip
 
 
+def _named(namespace: str, obj: dict[str, Any]) -> str:
+    """The URL of the object named like `obj` (a child the operator creates), in its API group and version."""
+    return path(api_of(obj["apiVersion"]), namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"])
+
+
 class Kube:
     """Typed access to the objects a job owns. Plain dicts in, plain dicts out, as the API server sends them
     (JSON), through `http` (transport.py)."""
@@ -212,15 +217,15 @@ class Kube:
     @retrying
     def read(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The existing object named like `obj`, of its kind and API version; None if gone."""
-        url = path(api_of(obj["apiVersion"]), namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"])
-        return self._get(url)
+        return self._get(_named(namespace, obj))
 
     @retrying
     def patch_spec(self, namespace: str, obj: dict[str, Any], fields: dict[str, Any]) -> None:
         """Merge `fields` into the spec of the existing object named like `obj` (gone since: nothing to do)."""
-        url = path(api_of(obj["apiVersion"]), namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"])
         try:
-            self.http.send("PATCH", url, body={"spec": fields}, content_type="application/merge-patch+json")
+            self.http.send(
+                "PATCH", _named(namespace, obj), body={"spec": fields}, content_type="application/merge-patch+json"
+            )
         except ApiError as e:
             if e.status != 404:
                 raise
@@ -228,7 +233,7 @@ class Kube:
     @retrying
     def read_meta(self, namespace: str, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The metadata of the existing object named like `obj` (a Service, ConfigMap or claim); None if gone."""
-        found = self._get(path("api/v1", namespace, _RESOURCES[obj["kind"]], obj["metadata"]["name"]))
+        found = self._get(_named(namespace, obj))
         return None if found is None else found["metadata"]
 
     @retrying

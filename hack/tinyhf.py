@@ -103,6 +103,29 @@ def write_chat_data(path: Path, records: int = 400, *, seed: int = 0, system_eve
     return path
 
 
+def wrong_answer(k: int, rng: random.Random) -> str:
+    """Two words that are not question k's answer: a rejected answer the model must learn to rank lower."""
+    while True:
+        words = f"w{rng.randrange(len(WORDS))} w{rng.randrange(len(WORDS))}"
+        if words != answer(k):
+            return words
+
+
+def write_preference_data(path: Path, records: int = 400, *, seed: int = 0) -> Path:
+    """Preference records of the chat task: the right answer chosen, two other words rejected (chat prompts,
+    answers as a string or an assistant message, as users' files mix them)."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for n in range(records):
+            k = rng.randrange(len(WORDS))
+            chosen, rejected = answer(k), wrong_answer(k, rng)
+            if n % 2:
+                chosen = [{"role": "assistant", "content": chosen}]
+            f.write(json.dumps({"prompt": question(k), "chosen": chosen, "rejected": rejected}) + "\n")
+    return path
+
+
 def greedy_answer(model, tokenizer, k: int) -> str:
     """The model's greedy completion of question k, as words (special tokens dropped)."""
     import torch

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, model_validator
 
 from sharded_api.cel import At, Has
-from sharded_api.rules import Rule, Ruled
-
-
-class Model(Ruled):
-    """Base for every config and API model: camelCase on the wire, unknown keys rejected, `rules` checked."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True)
+from sharded_api.objective import ObjectiveConfig
+from sharded_api.rules import Model, Rule
+from sharded_api.strategy import StrategyConfig
 
 
 class HuggingFaceModel(Model):
@@ -129,6 +124,12 @@ class DataConfig(Model):
     eval_samples: int = Field(
         256, ge=1, le=1_000_000, description="Sequences of the held-out set each evaluation uses at most."
     )
+    skip_bad_records: bool = Field(
+        False,
+        description="Preference records (objective dpo): skip a record that cannot be trained on (a missing or "
+        "empty chosen or rejected answer, or both the same) and count it in the `tokenized` event, instead of "
+        "failing before training with the record's file and line.",
+    )
 
 
 class LoraConfig(Model):
@@ -169,59 +170,13 @@ class ScheduleConfig(Model):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
 
 
-class FsdpOptions(Model):
-    """PyTorch FSDP2 (`fully_shard`) options."""
-
-    reshard_after_forward: bool = Field(
-        True, description="Free gathered parameters after forward (ZeRO-3 memory); false keeps them (faster)."
-    )
-    cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer state in CPU memory.")
-    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
-    compile: bool = Field(False, description="torch.compile each transformer block.")
-    prefetch: int = Field(
-        1, ge=0, le=4,
-        description="Blocks whose all-gather each block issues ahead of its compute (forward: the next ones, "
-        "backward: the previous ones). 0 leaves FSDP2's implicit order (backward one block ahead, forward as the "
-        "host reaches each block); more overlaps more communication at the cost of memory for gathered blocks.",
-    )  # fmt: skip
-    reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="Dtype of the gradient reduce-scatter (and of the replicas' all-reduce under hybrid), at any "
-        "precision: bf16 halves the bytes on the wire and rounds the summed gradients, fp32 keeps the sum exact.",
-    )
-    shard: Literal["full", "hybrid"] = Field(
-        "full",
-        description="full: shard over every process; hybrid: shard within each node and replicate across nodes "
-        "(less traffic over the inter-node link, more memory per GPU). Checkpoints load under either.",
-    )
+_HF_MODEL = {"model": {"huggingface": {"path": "/m"}, "preset": None}}  # rule examples: a Hugging Face model
 
 
-class Zero2Options(Model):
-    """DeepSpeed ZeRO stage 2 options."""
-
-    overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
-    contiguous_gradients: bool = Field(True, description="Copy gradients into one buffer to avoid fragmentation.")
-    reduce_bucket_size: int = Field(500_000_000, ge=1_000_000, description="Elements per gradient reduce bucket.")
-    allgather_bucket_size: int = Field(
-        500_000_000, ge=1_000_000, description="Elements per parameter all-gather bucket."
-    )
-    cpu_offload_optimizer: bool = Field(False, description="Keep optimizer state on CPU (ZeRO-Offload).")
-    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
-    compile: bool = Field(False, description="torch.compile each transformer block.")
-
-
-class StrategyConfig(Model):
-    """The one switch between FSDP2 and ZeRO-2, with each one's options."""
-
-    type: Literal["fsdp", "zero2", "auto"] = Field(
-        "fsdp",
-        description="fsdp (PyTorch FSDP2), zero2 (DeepSpeed ZeRO-2), or auto: at start the trainer picks the fastest "
-        "setting (strategy, resharding, activation checkpointing, offload) that its memory model says fits in 90% "
-        "of the GPU (`python -m sharded_trainer plan`), keeps the strategy of the job's newest checkpoint, and "
-        "says why in an event; the chosen section's other options (compile, prefetch, buckets) apply.",
-    )  # fmt: skip
-    fsdp: FsdpOptions = Field(default_factory=FsdpOptions, description="Used when type is fsdp.")
-    zero2: Zero2Options = Field(default_factory=Zero2Options, description="Used when type is zero2.")
+def _dpo(**settings) -> dict:
+    """A rule example: preference training on records with these DPO settings."""
+    return {"objective": {"type": "dpo", **({"dpo": settings} if settings else {})},
+            "data": {"source": "jsonl", "path": "/pairs.jsonl"}, **_HF_MODEL}  # fmt: skip
 
 
 class TrainingSpec(Model):
@@ -238,6 +193,38 @@ class TrainingSpec(Model):
             bad=({"data": {"source": "jsonl", "path": "/d.jsonl"}},),
         ),
         Rule(
+            "objective", "preference training (type dpo) reads preference records: set data.source jsonl, parquet "
+            "or arrow and data.path",
+            At("objective.type").eq("dpo").implies(At("data.source").is_in(list(RECORD_SOURCES))),
+            good=(_dpo(), {"objective": {"type": "sft"}}),
+            bad=({"objective": {"type": "dpo"}}, {"objective": {"type": "dpo"}, "data": {"source": "synthetic"}}),
+        ),
+        Rule(
+            "objective.dpo", "applies to objective.type dpo only: set type dpo, or remove dpo",
+            Has("objective.dpo").implies(At("objective.type").eq("dpo")),
+            good=(_dpo(beta=0.2), _dpo()),
+            bad=({"objective": {"type": "sft", "dpo": {"beta": 0.2}}},),
+        ),
+        Rule(
+            "objective.dpo.labelSmoothing", "applies to loss sigmoid only (conservative DPO): set it to 0, or "
+            "loss sigmoid",
+            At("objective.dpo.labelSmoothing").gt(0).implies(At("objective.dpo.loss").eq("sigmoid")),
+            good=(_dpo(labelSmoothing=0.1), _dpo(loss="ipo"), _dpo(loss="hinge", labelSmoothing=0)),
+            bad=(_dpo(loss="ipo", labelSmoothing=0.1),),
+        ),
+        Rule(
+            "objective.dpo.reference", "a reference-free loss has no reference to compute: leave reference auto",
+            At("objective.dpo.referenceFree").implies(At("objective.dpo.reference").eq("auto")),
+            good=(_dpo(referenceFree=True), _dpo(reference="precomputed")),
+            bad=(_dpo(referenceFree=True, reference="precomputed"),),
+        ),
+        Rule(
+            "lora", "adapters as the DPO reference need LoRA: set lora, or objective.dpo.reference precomputed",
+            At("objective.dpo.reference").eq("adapters").implies(Has("lora")),
+            good=({**_dpo(reference="adapters"), "lora": {"r": 8}}, _dpo(reference="precomputed")),
+            bad=(_dpo(reference="adapters"),),
+        ),
+        Rule(
             "lora", "adapters need a Hugging Face model to adapt: set model.huggingface",
             Has("lora").implies(Has("model.huggingface")),
             good=({"lora": {"r": 8}, "model": {"huggingface": {"path": "/m"}, "preset": None}}, {}),
@@ -249,6 +236,9 @@ class TrainingSpec(Model):
     data: DataConfig = Field(default_factory=DataConfig, description="The token source.")
     lora: LoraConfig | None = Field(
         None, description="Train low-rank adapters on a frozen base instead of every weight (Hugging Face models)."
+    )
+    objective: ObjectiveConfig = Field(
+        default_factory=ObjectiveConfig, description="The training objective: next-token (sft) or preference (dpo)."
     )
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps to train for.")
     micro_batch_size: int = Field(2, ge=1, le=4096, description="Sequences per process per forward pass.")
@@ -298,7 +288,7 @@ class CheckpointConfig(CheckpointPolicy):
     dir: str | None = Field(None, description="Checkpoint root directory; unset disables checkpointing.")
 
 
-_HF = {"model": {"huggingface": {"path": "/m"}, "preset": None}}  # rule examples: a Hugging Face model
+_HF = _HF_MODEL
 
 
 class TrainerConfig(TrainingSpec):

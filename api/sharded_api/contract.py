@@ -160,10 +160,11 @@ def parse_iso(s: str | None) -> dt.datetime | None:
 # --- the progress report ------------------------------------------------------------------------
 
 # 2: StepProgress.mfu_6n beside mfu (the FLOPs done).
-CONTRACT_VERSION = 2
+# 3: StepProgress.reward_accuracy, reward_margin, chosen_reward, rejected_reward (preference training).
+CONTRACT_VERSION = 3
 # Report versions this release reads. A newer trainer talking to an older operator is refused with a
 # message naming these, rather than misread.
-SUPPORTED_VERSIONS = frozenset({1, 2})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 MAX_EVENTS = 32  # newest trainer events a report carries; older ones were sent in earlier reports
 MAX_REPORT_BYTES = 16 * 1024  # the operator refuses a larger body; the reporter leaves old events out to fit
 # The pod's projected ServiceAccount token for the operator's audience, refreshed by the kubelet.
@@ -233,6 +234,18 @@ class StepProgress(Wire):
         description="Model FLOPs utilisation, 0 to 1, by the 6·N convention other trainers report (every "
         "weight's gradient counted); the same as mfu for full training.",
     )
+    reward_accuracy: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] | None = Field(
+        None,
+        description="Preference training (DPO): the share of pairs, over the last logEvery steps, whose chosen "
+        "answer's reward beats the rejected one's.",
+    )
+    reward_margin: Finite | None = Field(
+        None, description="DPO: the mean of the chosen reward less the rejected one over the last logEvery steps."
+    )
+    chosen_reward: Finite | None = Field(
+        None, description="DPO: the mean reward (beta times the log-ratio to the reference) of the chosen answers."
+    )
+    rejected_reward: Finite | None = Field(None, description="DPO: the mean reward of the rejected answers.")
     restart: Annotated[int, Field(ge=0, le=1000)] | None = Field(
         None, description="Times torchrun has restarted the workers in place before this run (0: the first run)."
     )

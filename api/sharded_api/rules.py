@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic.alias_generators import to_camel
 
 from sharded_api.cel import At, Call, Cmp, Ctx, Each, Expr, Has, Logic, Not, Unary
 
@@ -122,3 +123,9 @@ class Ruled(BaseModel):
             if broken:
                 raise RuleViolation(broken)
         return self
+
+
+class Model(Ruled):
+    """Base for every config and API model: camelCase on the wire, unknown keys rejected, `rules` checked."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True)

@@ -514,6 +514,14 @@ def test_an_interactive_job_serves_jupyterlab_and_trains_by_hand_across_its_node
     wait_for(lambda: ended in jobs.event_notes(name), timeout=30, interval=0.5, what="the Succeeded event")
 
 
+def inputs_mounted(claim: str) -> dict:
+    """spec.pod mounting `claim` (a model directory and records) read-only at /inputs in every pod."""
+    return {
+        "volumes": [{"name": "inputs", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+        "volumeMounts": [{"name": "inputs", "mountPath": "/inputs", "readOnly": True}],
+    }
+
+
 def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(jobs, stack):
     """A model directory and chat records on a claim of their own, mounted into every pod: the job tokenizes
     them once, trains adapters across two pods, evaluates on held-out records and exports the adapter next to
@@ -524,10 +532,7 @@ def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(
     inputs = stack.new_claim(NS, claim)
     write_model(inputs / "model", "llama")
     write_chat_data(inputs / "chat.jsonl", 400)
-    body = job(name, steps=40, pod={
-        "volumes": [{"name": "inputs", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
-        "volumeMounts": [{"name": "inputs", "mountPath": "/inputs", "readOnly": True}],
-    })  # fmt: skip
+    body = job(name, steps=40, pod=inputs_mounted(claim))
     body["spec"]["trainer"] = {
         "model": {"huggingface": {"path": "/inputs/model"}},
         "data": {"source": "jsonl", "path": "/inputs/chat.jsonl", "evalFraction": 0.1, "evalEvery": 20},
@@ -546,6 +551,34 @@ def test_a_hugging_face_model_is_fine_tuned_with_lora_from_a_claim_and_exported(
     jobs.event_reasons(name, until=lambda r: "ExportWritten" in r)
     # One rank tokenized, into the checkpoint claim, once.
     assert len(list((stack.claim_dir(NS, f"{name}-checkpoints") / name / "tokenized").iterdir())) == 1
+
+
+def test_a_preference_job_learns_from_records_on_a_claim_and_reports_its_rewards(jobs, stack):
+    """DPO with LoRA across two pods: a model directory and preference records on a claim of their own, the
+    reference the base with the adapters off; the rewards reach status.progress and the adapter is exported."""
+    from tinyhf import write_model, write_preference_data
+
+    name, claim = "e2e-dpo", "preference-inputs"
+    inputs = stack.new_claim(NS, claim)
+    write_model(inputs / "model", "llama")
+    write_preference_data(inputs / "pairs.jsonl", 300)
+    body = job(name, steps=40, pod=inputs_mounted(claim))
+    body["spec"]["trainer"] = {
+        "model": {"huggingface": {"path": "/inputs/model"}},
+        "data": {"source": "jsonl", "path": "/inputs/pairs.jsonl", "evalFraction": 0.15, "evalEvery": 40},
+        "objective": {"type": "dpo", "dpo": {"beta": 0.1}}, "lora": {"r": 8, "alpha": 16}, "exportOnSuccess": True,
+        "steps": 40, "microBatchSize": 4, "seqLen": 16, "precision": "fp32",
+        "optimizer": {"lr": 0.01, "weightDecay": 0.0}, "logEvery": 5,
+    }  # fmt: skip
+    jobs.create(body)
+    status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=420, what="finished")
+    assert status["phase"] == "Succeeded", jobs.explain(name)
+    progress = status["progress"]
+    assert progress["rewardAccuracy"] >= 0.8 and progress["rewardMargin"] > 0, progress
+    assert progress["chosenReward"] > progress["rejectedReward"] and progress["evalLoss"] < 0.69, progress
+    assert status["export"]["step"] == 40, status
+    exported = stack.claim_dir(NS, f"{name}-checkpoints") / name / "export"
+    assert json.loads((exported / "adapter_config.json").read_text())["r"] == 8
 
 
 def test_a_plain_hugging_face_trainer_script_reports_and_suspends_with_a_checkpoint(jobs, stack):

@@ -162,7 +162,12 @@ def test_a_good_report_round_trips_through_json():
         ({"lastCheckpoint": {"step": 1, "path": "p" * 2000}}, "lastCheckpoint.path"),
         ({"lastCheckpoint": {"step": 1, "path": "/c", "forged": True}}, "lastCheckpoint.forged"),
         ({"extra": 1}, "extra"),
-        ({"version": 3}, "version"),
+        ({"version": 4}, "version"),
+        ({"version": 3, "rewardAccuracy": 1.5}, "rewardAccuracy"),
+        ({"version": 3, "rewardAccuracy": float("nan")}, "rewardAccuracy"),
+        ({"version": 3, "rewardMargin": 1e300}, "rewardMargin"),
+        ({"version": 3, "chosenReward": float("inf")}, "chosenReward"),
+        ({"version": 3, "rejectedReward": "low"}, "rejectedReward"),
         ({"events": [GOOD["events"][0]] * (MAX_EVENTS + 1)}, "events"),
         ({"events": [{**GOOD["events"][0], "type": "Exploded"}]}, "events.0.type"),
         ({"events": [{**GOOD["events"][0], "message": "m" * 2000}]}, "events.0.message"),
@@ -185,10 +190,17 @@ def test_a_report_of_the_previous_version_is_still_read_and_the_6n_mfu_travels_b
     assert (report.mfu, report.mfu_6n) == (0.41, 0.5) and report.model_dump(by_alias=True)["mfu6n"] == 0.5
 
 
+def test_a_version_3_report_carries_the_preference_rewards():
+    rewards = {"rewardAccuracy": 0.75, "rewardMargin": 0.4, "chosenReward": 0.3, "rejectedReward": -0.1}
+    report = ProgressReport.model_validate({**GOOD, "version": 3, **rewards})
+    assert (report.reward_accuracy, report.reward_margin, report.chosen_reward) == (0.75, 0.4, 0.3)
+    assert {k: v for k, v in report.model_dump(by_alias=True).items() if k in rewards} == rewards
+
+
 def test_another_contract_version_is_refused_with_what_this_release_reads():
     with pytest.raises(ValidationError) as exc:
-        ProgressReport.model_validate({**GOOD, "version": 3})
-    assert "reads [1, 2]" in str(exc.value)
+        ProgressReport.model_validate({**GOOD, "version": 4})
+    assert "reads [1, 2, 3]" in str(exc.value)
 
 
 def test_times_in_either_spelling_parse_to_the_same_instant():

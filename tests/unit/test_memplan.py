@@ -296,3 +296,21 @@ def test_a_bad_gpu_memory_limit_fails_before_training_naming_the_variable(monkey
         gpu_memory(DistEnv(0, 0, 1, "gloo", torch.device("cpu")))
     monkeypatch.setenv("SHARDED_GPU_MEMORY_LIMIT", "40Gi")  # valid: without a GPU there is nothing to hold to it
     assert gpu_memory(DistEnv(0, 0, 1, "gloo", torch.device("cpu"))) is None
+
+
+def test_preference_pairs_count_two_rows_per_sample_and_the_reference_pass_its_logits():
+    """A DPO micro-batch of B pairs is 2B sequences in one forward pass: the activations of a 2B micro-batch
+    of next-token training, the state unchanged; a precomputed reference adds nothing."""
+    shape = load_shape("llama-1b")
+    setting = Setting("fsdp", checkpointing=True)
+    pairs = estimate(Job(shape, 8, 2, 2048, lora_r=16, rows=2), setting)
+    doubled = estimate(Job(shape, 8, 4, 2048, lora_r=16), setting)
+    single = estimate(Job(shape, 8, 2, 2048, lora_r=16), setting)
+    assert pairs.activations == doubled.activations == 2 * single.activations
+    assert pairs.state == single.state and pairs.peak > single.peak
+    # With LoRA the reference is a forward pass after the policy's: its logits add to the peak.
+    live = estimate(Job(shape, 8, 2, 2048, lora_r=16, rows=2, reference_forward=True), setting)
+    assert live.transient - pairs.transient == 2 * 2 * 2048 * shape.vocab * memplan.REFERENCE_LOGIT_BYTES
+    records = {"data": {"source": "jsonl", "path": "/p.jsonl", "tokenizer": "/t"}}
+    full = memplan.job_of(auto_config(objective={"type": "dpo"}, **records), 8)
+    assert (full.rows, full.reference_forward) == (2, False) and memplan.job_of(auto_config(), 8).rows == 1

@@ -159,6 +159,9 @@ def test_a_report_fills_progress_and_last_checkpoint():
     assert fields["progress"]["step"] == 40 and fields["progress"]["loss"] == 2.5
     assert (fields["progress"]["mfu"], fields["progress"]["mfu6n"]) == (0.3, 0.45)  # both MFUs, each labelled
     assert fields["progress"]["observedAt"] == iso(NOW) and fields["lastCheckpoint"] == ckpt
+    # A preference-training run's rewards reach status.progress as reported.
+    fields, _ = merge_report(status(), report(step=41, version=3, rewardAccuracy=0.9, rewardMargin=0.6), iso(NOW))
+    assert (fields["progress"]["rewardAccuracy"], fields["progress"]["rewardMargin"]) == (0.9, 0.6)
     with pytest.raises(Refusal) as r:
         merge_report(status(attempt=2), report(step=41), iso(NOW))
     assert r.value.status == 403 and "attempt 2" in r.value.reason

@@ -29,12 +29,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sharded_api.config import StrategyConfig, TrainerConfig
+from sharded_api.config import TrainerConfig
 from sharded_api.loading import ConfigError
+from sharded_api.objective import reference_kind
 from sharded_api.presets import PRESETS
+from sharded_api.strategy import StrategyConfig
 
 GIB = 1024**3
 ACT_SCALE = 1.013  # measured bytes per token per block over the saved tensors counted (llama-1b)
+REFERENCE_LOGIT_BYTES = 6  # per token and vocabulary entry: bf16 logits and their fp32 log-softmax, no gradient
 LOGIT_BYTES = 11.3  # per token and vocabulary entry: bf16 logits, their fp32 upcast and its gradient
 # Compiled, over eager: a block's saved activations, and the output head's and loss's (the fused loss keeps
 # no fp32 copy of the logits). Fitted on a 1.24B and an 8B run, whose shares of logits differ (FIT_RUNS).
@@ -217,6 +220,12 @@ class Job:
     lora_r: int | None = None
     nf4: bool = False
     compile: bool = False
+    # Sequences per sample: 2 for preference pairs (DPO trains a pair's two rows in one forward pass).
+    rows: int = 1
+    # DPO's reference as a forward pass without gradients (LoRA, adapters off), run after the policy's forward
+    # while its activations are held: its logits and their fp32 log-softmax add to the peak (a precomputed
+    # reference is two numbers per pair).
+    reference_forward: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,7 +254,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     if not fsdp:
         kept += 2 * trained
     grads = 0.0 if setting.offload else 4 * trained / w
-    tokens = job.micro_batch * job.seq
+    tokens = job.micro_batch * job.rows * job.seq
     blocks = s.layers * s.block_act_bytes()
     if setting.checkpointing:
         blocks = s.layers * 2 * s.hidden + s.block_act_bytes()
@@ -268,6 +277,8 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     load = 0.0
     if job.nf4 and not fsdp:
         load = s.params * 2 + s.layers * s.block_linear_params * NF4_BYTES + 6 * trained
+    if job.reference_forward:
+        transient += tokens * s.vocab * REFERENCE_LOGIT_BYTES
     peak = max(kept + act + transient, kept + grads + transient, load)
     return Estimate(setting, kept + grads, act, transient, load, peak)
 
@@ -333,9 +344,10 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
         raise ConfigError(f"strategy.type auto: {e}; set strategy.type to fsdp or zero2") from None
     except ValueError as e:
         raise ConfigError(f"model.huggingface.path: {e}") from None
-    lora = cfg.lora
+    lora, dpo = cfg.lora, cfg.objective.type == "dpo"
+    live_reference = dpo and reference_kind(cfg.objective.dpo_settings, lora is not None) == "adapters"
     return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
-               bool(lora and lora.quantize_base))  # fmt: skip
+               bool(lora and lora.quantize_base), rows=2 if dpo else 1, reference_forward=live_reference)  # fmt: skip
 
 
 def settle(

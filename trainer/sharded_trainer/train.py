@@ -21,10 +21,11 @@ from sharded_api.loading import ConfigError
 from sharded_api.quantity import memory_bytes
 from sharded_trainer import memplan
 from sharded_trainer.checkpoint.manager import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
-from sharded_trainer.data import records
+from sharded_trainer.data import preference, records
 from sharded_trainer.data.sources import IGNORE, ShardedLoader, TokenSource, collate
 from sharded_trainer.modeling.build import build_network
 from sharded_trainer.modeling.decoder import Network
+from sharded_trainer.objective import DPO_METRICS, precompute_reference, reference_key
 from sharded_trainer.process_group import DistEnv, any_true
 from sharded_trainer.reporting.metrics import Meter, emit
 from sharded_trainer.reporting.progress import ProgressReporter, ReportTarget
@@ -37,6 +38,9 @@ from sharded_trainer.strategies.pick import build_strategy
 # for longer. Twice the slowest iteration so far (a save included) and a second, within these bounds: the
 # upper one before any iteration is timed, and below torchrun's own 30 s kill.
 STOP_AGREE_SECONDS = (2.0, 25.0)
+# What rank 0 writes to TensorBoard every logEvery steps, when the record has it (DPO's rewards).
+BOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mfu_6n", "reward_accuracy", "reward_margin",
+                 "chosen_reward", "rejected_reward")  # fmt: skip
 # How long ranks wait for the one that tokenizes the records.
 TOKENIZE_WAIT_SECONDS = 6 * 3600
 
@@ -103,22 +107,43 @@ def token_source(cfg: TrainerConfig, env: DistEnv, vocab_size: int):
     tokenizer = cfg.data.tokenizer or cfg.model.huggingface.path
     shared = cfg.data.cache_dir or (cfg.checkpoint.dir and str(Path(cfg.checkpoint.dir) / "tokenized"))
     root = Path(shared or Path(tempfile.gettempdir()) / "sharded-tokenized")
-    directory = root / records.cache_key(cfg.data, tokenizer)
+    kind = preference if cfg.objective.type == "dpo" else records
+    directory = root / kind.cache_key(cfg.data, tokenizer)
     # On the claim one rank of the job builds it; in a node's temporary directory, one rank per node.
     builder = env.rank == 0 if shared else env.local_rank == 0
     if builder and not records.is_ready(directory):
-        meta = records.build_cache(cfg.data, tokenizer, directory)
+        meta = kind.build_cache(cfg.data, tokenizer, directory)
         emit({"event": "tokenized", "cache": str(directory), **meta})
     deadline = time.monotonic() + TOKENIZE_WAIT_SECONDS
     while not records.is_ready(directory):  # a file wait, not a collective: tokenizing may take long
         if time.monotonic() > deadline:
             raise TimeoutError(f"the tokenized data did not appear in {directory} in {TOKENIZE_WAIT_SECONDS}s")
         time.sleep(0.5)
-    train_rows = records.RecordSource(cfg.data, directory, cfg.seq_len, vocab_size)
+    source = preference.PreferenceSource if kind is preference else records.RecordSource
+    train_rows = source(cfg.data, directory, cfg.seq_len, vocab_size)
     held = None
     if cfg.data.eval_fraction > 0:
-        held = records.RecordSource(cfg.data, directory, cfg.seq_len, vocab_size, eval_split=True)
+        held = source(cfg.data, directory, cfg.seq_len, vocab_size, eval_split=True)
     return train_rows, held
+
+
+def prepare_reference(cfg: TrainerConfig, env: DistEnv, net: Network, strategy, sources: list) -> None:
+    """DPO with a precomputed reference: every record's reference log-probabilities, from the claim or from a
+    pass of the model as built (before any checkpoint is loaded into it: the starting weights)."""
+    objective = getattr(strategy, "objective", None)
+    if objective is None or getattr(objective, "reference", None) != "precomputed":
+        return
+    train_rows = sources[0]
+    root = Path(cfg.checkpoint.dir or tempfile.gettempdir()) / "reference"
+    directory = root / reference_key(cfg, net, train_rows.directory)
+    began = time.monotonic()
+    logps = precompute_reference(objective, strategy.forward_module, train_rows, directory, env, cfg.micro_batch_size)
+    if env.is_main:
+        emit({"event": "reference", "records": len(logps), "path": str(directory),
+              "seconds": round(time.monotonic() - began, 1)})  # fmt: skip
+    for source in sources:
+        if source is not None:
+            source.reference = logps
 
 
 def settle_garbage_collector() -> None:
@@ -133,23 +158,30 @@ def settle_garbage_collector() -> None:
     gc.freeze()
 
 
-def evaluate(strategy, source, cfg: TrainerConfig, env: DistEnv) -> float:
-    """Token-weighted mean loss over the held-out rows (at most data.evalSamples), split over the ranks. Every
-    rank runs as many forward passes (FSDP gathers parameters collectively); a rank past the end runs one
-    whose targets are all ignored."""
+def evaluate(strategy, source, cfg: TrainerConfig, env: DistEnv) -> dict[str, float]:
+    """Over the held-out rows or pairs (at most data.evalSamples), split over the ranks: the mean loss
+    (`eval_loss`, weighted by the tokens, or pairs, with a loss) and the objective's own means (DPO's
+    `eval_reward_accuracy`, ...). Every rank runs as many forward passes (FSDP gathers parameters
+    collectively); a rank past the end runs one whose targets are all ignored."""
     count, micro = min(len(source), cfg.data.eval_samples), cfg.micro_batch_size
-    total = torch.zeros(2, dtype=torch.float64)
+    keys, total = None, None
     for first in range(0, count, env.world * micro):
         indices = [first + env.rank * micro + j for j in range(micro)]
         rows = [source.sample(i if i < count else 0) for i in indices]
         batch = collate(rows)
         if all(i >= count for i in indices):
             batch = batch._replace(targets=torch.full_like(batch.targets, IGNORE))
-        loss, tokens = strategy.eval_loss(batch)
-        total += torch.tensor([loss * tokens, tokens], dtype=torch.float64)
+        sums = strategy.eval_loss(batch)
+        keys = keys or list(sums)
+        part = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        total = part if total is None else total + part
+    assert keys is not None and total is not None
     total = total.to(env.device)
     dist.all_reduce(total)
-    return float(total[0] / total[1].clamp(min=1))
+    weight = float(total[keys.index("weight")].clamp(min=1))
+    out = {("eval_loss" if k == "loss" else k): float(v) / weight for k, v in zip(keys, total.tolist(), strict=True)}
+    out.pop("weight")
+    return out
 
 
 def gpu_memory(env: DistEnv) -> float | None:
@@ -202,6 +234,7 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     net = build_network(cfg)
     source, held_out = token_source(cfg, env, net.vocab_size)
     strategy = build_strategy(net, cfg, env)
+    prepare_reference(cfg, env, net, strategy, [source, held_out])
     loader = ShardedLoader(source, micro_batch=cfg.micro_batch_size, rank=env.rank, world=env.world)
     report = ProgressReporter(
         target if env.is_main else None, total_steps=cfg.steps, path=cfg.progress_file if env.is_main else None
@@ -260,7 +293,10 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
     report.update(step=step, last_checkpoint=ckpt.last_committed)
     meter = Meter(net.flops_per_token(cfg.seq_len), env.device, env.world, flops_6n=net.flops_6n(cfg.seq_len))
     board = EventWriter(Path(cfg.checkpoint.dir) / "tensorboard") if cfg.tensorboard and env.is_main else None
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.seq_len
+    # A preference pair is two rows (chosen, rejected) of seq_len tokens. (MFU counts the training FLOPs of those
+    # tokens; the reference's extra forward pass, with LoRA, is not counted.)
+    rows = 2 if cfg.objective.type == "dpo" else 1
+    tokens_per_step = cfg.micro_batch_size * rows * cfg.grad_accum_steps * cfg.seq_len
 
     # The stop vote travels over a CPU group so that it never waits for the GPU: steps stay queued.
     stop_group = dist.new_group(backend="gloo")
@@ -277,31 +313,31 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
                 last_loss = mean_over_ranks(loss, env)  # the only per-log synchronization
                 norm = None if grad_norm is None else float(grad_norm)
                 rec = meter.flush(step, last_loss, strategy.current_lr(), norm)
+                rec.update(strategy.objective.flush(env.world))
                 if cfg.precision == "fp16" and hasattr(strategy, "skipped_steps"):  # overflows under loss scaling
                     rec["skipped_steps"] = strategy.skipped_steps
                 if env.is_main:
                     emit(rec)
                 if board is not None:
-                    board.scalars(
-                        step, {k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mfu_6n")}
-                    )
+                    board.scalars(step, {k: rec.get(k) for k in BOARD_SCALARS})
                 report.update(
                     step=step,
                     loss=rec["loss"],
                     tokens_per_second=rec["tokens_per_s"],
                     mfu=rec["mfu"],
                     mfu_6n=rec["mfu_6n"],
+                    **{k: rec[k] for k in DPO_METRICS if k in rec},
                 )
             if held_out is not None and (step % (cfg.data.eval_every or cfg.steps) == 0 or step == cfg.steps):
-                eval_loss = evaluate(strategy, held_out, cfg, env)
+                evaluated_now = evaluate(strategy, held_out, cfg, env)
                 if not evaluated:  # its forward-only graphs, compiled once
                     settle_garbage_collector()
                     evaluated = True
                 if env.is_main:
-                    emit({"event": "eval", "step": step, "eval_loss": round(eval_loss, 5)})
+                    emit({"event": "eval", "step": step, **{k: round(v, 5) for k, v in evaluated_now.items()}})
                 if board is not None:
-                    board.scalars(step, {"eval_loss": eval_loss})
-                report.update(step=step, eval_loss=eval_loss)
+                    board.scalars(step, evaluated_now)
+                report.update(step=step, eval_loss=evaluated_now["eval_loss"])
             preempted = any_true(stop.requested.is_set(), torch.device("cpu"), group=stop_group)
             if preempted:
                 stop.agreed.set()

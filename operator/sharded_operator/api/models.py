@@ -13,9 +13,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field
 
 from sharded_api.cel import At, Has
-from sharded_api.config import StrategyConfig, TrainerConfig, TrainingSpec
+from sharded_api.config import TrainerConfig, TrainingSpec
 from sharded_api.contract import DEFAULT_CONFIG_PATH, WorkerEnv
 from sharded_api.rules import Rule, Ruled
+from sharded_api.strategy import StrategyConfig
 from sharded_operator.api.pods import TRAINER_CONTAINER, PodOverrides
 from sharded_operator.api.spec import (
     PROCS_SCHEMA,

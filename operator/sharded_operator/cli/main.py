@@ -32,8 +32,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from sharded_api.config import StrategyConfig
 from sharded_api.quantity import memory_bytes
+from sharded_api.strategy import StrategyConfig
 from sharded_operator.api.models import GROUP, KIND, VERSION, ShardedTrainingJobSpec
 from sharded_operator.client import Client, Job, JobError
 from sharded_operator.run.transport import ApiError, ConfigError, Unreachable

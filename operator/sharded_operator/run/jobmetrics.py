@@ -27,6 +27,7 @@ LABELS = ["namespace", "job_name"]
 # named after its field and described as the status model describes it.
 PROGRESS_GAUGES = (
     "step", "total_steps", "loss", "eval_loss", "tokens_per_second", "mfu", "mfu_6n", "global_batch_size",
+    "reward_accuracy", "reward_margin",
 )  # fmt: skip
 STATUS_GAUGES = (
     "restarts", "disruptions", "in_place_restarts", "pod_replacements", "current_nodes", "desired_nodes", "attempt",

@@ -168,19 +168,25 @@ def build_cache(cfg: DataConfig, tokenizer_dir: str, directory: Path) -> dict:
         "records": len(split), "tokens": len(tokens), "trainedTokens": int(sum(trained)),
         "evalRecords": int(sum(split)), "pad": int(pad), "maxToken": max(tokens, default=0),
     }  # fmt: skip
+    arrays = {"tokens": np.asarray(tokens, dtype=np.int32), "trained": np.asarray(trained, dtype=np.bool_),
+              "offsets": np.asarray(offsets, dtype=np.int64), "split": np.asarray(split, dtype=np.uint8)}  # fmt: skip
+    write_cache(directory, arrays, meta)
+    return meta
+
+
+def write_cache(directory: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """The arrays (`name.npy`) and meta.json, written aside and renamed into `directory`: readers never see half
+    a cache (is_ready looks for meta.json)."""
     aside = directory.with_name(f"{directory.name}.writing-{os.getpid()}")
     shutil.rmtree(aside, ignore_errors=True)
     aside.mkdir(parents=True)
-    np.save(aside / "tokens.npy", np.asarray(tokens, dtype=np.int32))
-    np.save(aside / "trained.npy", np.asarray(trained, dtype=np.bool_))
-    np.save(aside / "offsets.npy", np.asarray(offsets, dtype=np.int64))
-    np.save(aside / "split.npy", np.asarray(split, dtype=np.uint8))
+    for name, array in arrays.items():
+        np.save(aside / f"{name}.npy", array)
     (aside / "meta.json").write_text(json.dumps(meta))
     try:
         os.rename(aside, directory)
     except OSError:  # another node's rank finished the same cache first: theirs is as good
         shutil.rmtree(aside, ignore_errors=True)
-    return meta
 
 
 class RecordSource:

@@ -37,9 +37,28 @@ class Batch(NamedTuple):
     positions: torch.Tensor | None = None
 
 
-def collate(samples: list[tuple[np.ndarray, ...]]) -> Batch:
-    """Stack the samples of a source (each a tuple of per-sequence arrays) into one micro-batch."""
-    return Batch(*(torch.from_numpy(np.stack(column).astype(np.int64)) for column in zip(*samples, strict=True)))
+class PairBatch(NamedTuple):
+    """One micro-batch of preference pairs: inputs and targets (B, 2, L), each pair's chosen row then its
+    rejected row, one sequence per row; with their precomputed reference log-probabilities (B, 2) or None."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: None = None
+    reference: torch.Tensor | None = None
+
+
+def _stack(column: tuple) -> torch.Tensor | None:
+    if column[0] is None:
+        return None
+    array = np.stack(column)
+    return torch.from_numpy(array if array.dtype.kind == "f" else array.astype(np.int64))
+
+
+def collate(samples: list[tuple[np.ndarray | None, ...]]) -> Batch | PairBatch:
+    """Stack the samples of a source (each a tuple of per-sequence arrays, or None for a column the source
+    does not have) into one micro-batch: a Batch, or a PairBatch from a source of pairs (four columns)."""
+    columns = [_stack(column) for column in zip(*samples, strict=True)]
+    return (PairBatch if len(columns) == 4 else Batch)(*columns)
 
 
 class TokenSource:

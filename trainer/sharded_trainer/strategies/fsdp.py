@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sharded_api.config import FsdpOptions, TrainerConfig
+from sharded_api.config import TrainerConfig
+from sharded_api.strategy import FsdpOptions
 from sharded_trainer.modeling.decoder import Network
-from sharded_trainer.modeling.loss import loss_function
 from sharded_trainer.modeling.quantize import quantize_base
+from sharded_trainer.objective import build_objective
 from sharded_trainer.process_group import DistEnv
 from sharded_trainer.strategies.optim import make_optimizer, make_scheduler
 from sharded_trainer.strategies.parallel import (
@@ -106,7 +107,7 @@ class FsdpStrategy:
         if net.source is not None:  # built on the meta device: each rank reads only the rows it keeps
             # FSDP2 keeps offloaded shards in host memory and moves each to the GPU as it is used.
             materialize(self.model, torch.device("cpu") if cfg.strategy.fsdp.cpu_offload else env.device, net.source)
-        self.loss = loss_function(cfg.strategy.fsdp.compile)
+        self.objective = build_objective(net, cfg, env.device, cfg.strategy.fsdp.compile)
         self.optimizer = make_optimizer(trainable(self.model), cfg, env.device)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self._ckpt_group = None
@@ -115,8 +116,7 @@ class FsdpStrategy:
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)
         for batch in micro_batches:
-            inputs, targets, positions = to_device(batch, self.env.device)
-            loss = self.loss(self.net.logits(self.model, inputs, positions), targets)
+            loss = self.objective.loss(self.model, to_device(batch, self.env.device))
             (loss / len(micro_batches)).backward()
             total += loss.detach()
         norm = None
@@ -128,8 +128,13 @@ class FsdpStrategy:
         self.scheduler.step()
         return total / len(micro_batches), norm
 
-    def eval_loss(self, batch: Batch) -> tuple[float, int]:
-        return held_out_loss(self.net, self.model, self.loss, batch, self.env.device)
+    @property
+    def forward_module(self) -> nn.Module:
+        """What a forward pass goes through (the objective's, the reference pass's)."""
+        return self.model
+
+    def eval_loss(self, batch: Batch) -> dict[str, float]:
+        return held_out_loss(self.objective, self.model, batch, self.env.device)
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

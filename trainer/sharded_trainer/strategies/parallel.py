@@ -27,6 +27,10 @@ class Strategy(Protocol):
     model: nn.Module
     # How the state is laid out over the processes, for people (the SettingChosen event).
     layout: str
+    # The training objective (sft or dpo): each micro-batch's loss and the objective's own metrics.
+    objective: object
+    # What a forward pass goes through: the sharded model, or the engine that wraps it.
+    forward_module: nn.Module
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward/backward every micro-batch, step the optimizer. Returns this rank's mean loss and the
@@ -34,8 +38,9 @@ class Strategy(Protocol):
 
     def current_lr(self) -> float: ...
 
-    def eval_loss(self, batch: Batch) -> tuple[float, int]:
-        """(mean loss, tokens with a loss) of a held-out micro-batch; every rank must call it as often."""
+    def eval_loss(self, batch: Batch) -> dict[str, float]:
+        """Sums over a held-out micro-batch: `loss` (weighted), `weight` (tokens, or pairs, with a loss) and the
+        objective's own; every rank must call it as often."""
 
     def save(self, directory: Path, *, async_save: bool) -> object | None:
         """Write this rank's part of the model/optimizer/scheduler state; may return a pending future."""
@@ -63,22 +68,18 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     until forward finished, and the GPU would then idle while backward is being queued."""
     if device.type != "cuda":
         return batch
-    return Batch(*(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in batch))
+    return type(batch)(*(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in batch))
 
 
 @torch.no_grad()
-def held_out_loss(net, module: nn.Module, loss_fn, batch: Batch, device: torch.device) -> tuple[float, int]:
-    """(mean loss, tokens with a loss) of one held-out micro-batch, without gradients or dropout."""
-    from sharded_trainer.data.sources import IGNORE
-
-    inputs, targets, positions = to_device(batch, device)
+def held_out_loss(objective, module: nn.Module, batch: Batch, device: torch.device) -> dict[str, float]:
+    """The objective's sums over one held-out micro-batch, without gradients or dropout."""
     was_training = module.training
     module.eval()
     try:
-        loss = loss_fn(net.logits(module, inputs, positions), targets)
+        return objective.held_out(module, to_device(batch, device))
     finally:
         module.train(was_training)
-    return float(loss), int((targets != IGNORE).sum())
 
 
 def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> float:

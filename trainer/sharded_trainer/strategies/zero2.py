@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sharded_api.config import TrainerConfig, Zero2Options
+from sharded_api.config import TrainerConfig
+from sharded_api.strategy import Zero2Options
 from sharded_trainer.modeling.decoder import Network
-from sharded_trainer.modeling.loss import loss_function
 from sharded_trainer.modeling.quantize import quantize_base
+from sharded_trainer.objective import build_objective
 from sharded_trainer.process_group import DistEnv
 from sharded_trainer.strategies.optim import adamw_kwargs, make_optimizer, make_scheduler
 from sharded_trainer.strategies.parallel import (
@@ -109,13 +110,12 @@ class Zero2Strategy:
             for holder in (self.engine, self.engine.optimizer):
                 if hasattr(holder, "param_names"):
                     holder.param_names = names
-        self.loss = loss_function(cfg.strategy.zero2.compile)
+        self.objective = build_objective(net, cfg, env.device, cfg.strategy.zero2.compile)
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)
         for batch in micro_batches:
-            inputs, targets, positions = to_device(batch, self.env.device)
-            loss = self.loss(self.net.logits(self.engine, inputs, positions), targets)
+            loss = self.objective.loss(self.engine, to_device(batch, self.env.device))
             self.engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
             self.engine.step()  # steps optimizer and scheduler only at the accumulation boundary
             total += loss.detach()
@@ -141,8 +141,14 @@ class Zero2Strategy:
 
         self.engine.module_state_dict = adapters_only
 
-    def eval_loss(self, batch: Batch) -> tuple[float, int]:
-        return held_out_loss(self.net, self.engine, self.loss, batch, self.env.device)
+    @property
+    def forward_module(self):
+        """What a forward pass goes through: DeepSpeed's engine (it gathers nothing under ZeRO-2, but owns the
+        hooks that cast and reduce)."""
+        return self.engine
+
+    def eval_loss(self, batch: Batch) -> dict[str, float]:
+        return held_out_loss(self.objective, self.engine, batch, self.env.device)
 
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]

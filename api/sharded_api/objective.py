@@ -1,0 +1,65 @@
+"""The training objective of the trainer's configuration: next-token (sft) or preference (dpo) training."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from sharded_api.rules import Model
+
+__all__ = ["DpoConfig", "ObjectiveConfig", "reference_kind"]
+
+
+class DpoConfig(Model):
+    """Direct preference optimization: raise the policy's log-probability of the chosen answer over the
+    rejected one, relative to a reference (the model as training starts)."""
+
+    beta: float = Field(
+        0.1, gt=0, le=100,
+        description="Strength of the tie to the reference (the KL penalty's inverse temperature); for ipo, the "
+        "regularization tau.",
+    )  # fmt: skip
+    loss: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid",
+        description="sigmoid: the DPO paper's loss; ipo: squared distance of the length-normalized log-ratio "
+        "margin to 1/(2 beta); hinge: the SLiC hinge on the margin.",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5,
+        description="Loss sigmoid: the assumed probability that a pair's preference is flipped (conservative DPO).",
+    )  # fmt: skip
+    reference_free: bool = Field(
+        False, description="Compare the policy's log-probabilities with no reference (a uniform one)."
+    )
+    reference: Literal["auto", "adapters", "precomputed"] = Field(
+        "auto",
+        description="Where the reference log-probabilities come from. adapters (LoRA): the same forward with the "
+        "adapters turned off, no extra weights; precomputed: one pass over the records with the starting model "
+        "before the first step, kept on the claim next to the checkpoints and reused by every restart. auto: "
+        "adapters with LoRA, precomputed otherwise.",
+    )
+
+
+class ObjectiveConfig(Model):
+    """What the model is trained to do with the records."""
+
+    type: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="sft: next-token loss (on the answers of chat records); dpo: preference training on records "
+        "with `prompt` (a string, or chat `messages`) plus `chosen` and `rejected` answers.",
+    )
+    dpo: DpoConfig | None = Field(None, description="DPO's settings (type dpo; defaults when absent).")
+
+    @property
+    def dpo_settings(self) -> DpoConfig:
+        return self.dpo or DpoConfig()
+
+
+def reference_kind(dpo: DpoConfig, lora: bool) -> str:
+    """free, adapters or precomputed: what `reference` (auto) comes to, with or without LoRA."""
+    if dpo.reference_free:
+        return "free"
+    if dpo.reference == "auto":
+        return "adapters" if lora else "precomputed"
+    return dpo.reference

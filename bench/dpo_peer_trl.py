@@ -56,9 +56,11 @@ trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_clas
                      callbacks=[timer])  # fmt: skip
 trainer.train()
 step = statistics.median(timer.times[steps // 3 :])
-print("RESULT " + json.dumps({
-    "impl": "trl-dpo", "checkpointing": checkpointing, "pairs": pairs, "seq": seq, "step_s": round(step, 4), "tok_s_gpu": round(2 * pairs * seq / step),
+result = {
+    "impl": "trl-dpo", "checkpointing": checkpointing, "pairs": pairs, "seq": seq, "step_s": round(step, 4),
+    "tok_s_gpu": round(2 * pairs * seq / step),
     "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
-    "torch": torch.__version__,
-    "trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
-}), flush=True)  # fmt: skip
+    "torch": torch.__version__, "trl": __import__("trl").__version__,
+    "transformers": __import__("transformers").__version__,
+}  # fmt: skip
+print("RESULT " + json.dumps(result), flush=True)

@@ -25,8 +25,10 @@ class DpoConfig(Model):
         description="sigmoid: the DPO paper's loss; ipo: squared distance of the length-normalized log-ratio "
         "margin to 1/(2 beta); hinge: the SLiC hinge on the margin.",
     )
+    # At most 0.49, not below 0.5: the API server compares an integer value (a defaulted 0.0 reaches it as 0)
+    # with a fractional exclusive maximum as integers, and would refuse 0 as not less than int(0.5).
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5,
+        0.0, ge=0, le=0.49,
         description="Loss sigmoid: the assumed probability that a pair's preference is flipped (conservative DPO).",
     )  # fmt: skip
     reference_free: bool = Field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from conftest import CRD_FILE
@@ -47,3 +48,11 @@ def test_cel_rules_are_present_for_cross_field_constraints():
     assert "elastic.minNodes <= self.nodes" in spec_rules
     assert "oldSelf.strategy.type" in spec_rules
     assert any("metadata.name" in r["rule"] for r in root["x-kubernetes-validations"])
+
+
+def test_a_fractional_exclusive_bound_is_refused_for_the_api_servers_integer_comparison():
+    """The API server compared a defaulted 0.0 (sent as the integer 0) with `exclusiveMaximum: 0.5` as integers
+    and refused it as not below 0: the generator takes no fractional exclusive bound."""
+    with pytest.raises(ValueError, match=r"exclusive bound 0\.5 is not a whole number"):
+        crdgen.structural({"type": "number", "default": 0.0, "exclusiveMaximum": 0.5})
+    assert crdgen.structural({"type": "number", "exclusiveMaximum": 1})["maximum"] == 1

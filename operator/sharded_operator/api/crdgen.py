@@ -54,6 +54,11 @@ def structural(node: dict[str, Any]) -> dict[str, Any]:
         node["enum"] = [node.pop("const")]
     for bound in ("exclusiveMinimum", "exclusiveMaximum"):
         if isinstance(node.get(bound), (int, float)) and not isinstance(node.get(bound), bool):
+            if node[bound] != int(node[bound]):
+                # The API server checks an integer value (a defaulted 0.0 reaches it as 0) against an exclusive
+                # bound as integers: 0 is then not below int(0.5). Inclusive bounds compare correctly.
+                raise ValueError(f"exclusive bound {node[bound]} is not a whole number: the API server would "
+                                 "truncate it for integer values; use an inclusive bound (ge/le)")  # fmt: skip
             node[bound.replace("exclusiveM", "m")] = node[bound]
             node[bound] = True
     out = {k: v for k, v in node.items() if k in _KEEP or k.startswith("x-kubernetes-")}

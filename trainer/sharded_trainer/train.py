@@ -39,8 +39,7 @@ from sharded_trainer.strategies.pick import build_strategy
 # upper one before any iteration is timed, and below torchrun's own 30 s kill.
 STOP_AGREE_SECONDS = (2.0, 25.0)
 # What rank 0 writes to TensorBoard every logEvery steps, when the record has it (DPO's rewards).
-BOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mfu_6n", "reward_accuracy", "reward_margin",
-                 "chosen_reward", "rejected_reward")  # fmt: skip
+BOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mfu_6n", *DPO_METRICS)
 # How long ranks wait for the one that tokenizes the records.
 TOKENIZE_WAIT_SECONDS = 6 * 3600
 

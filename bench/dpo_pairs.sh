@@ -6,8 +6,10 @@
 # Output: `ARM <label> METRICS {...}` (the trainer's 10-step windows) and `ARM <label> RESULT {...}` (the peer's
 # median step); bench/hf_pairs.py turns them into a table with ratios.
 #   bash bench/dpo_pairs.sh OUT_FILE [ARM...]
-# Arms: trl (TRL's defaults: gradient checkpointing on), trl-nockpt (off); dpo-lora[-compiled][-ac]: the trainer,
-# eager or with every block compiled, with activation checkpointing (-ac) or without (the trainer's default).
+# Arms: trl (TRL's defaults: gradient checkpointing on), trl-nockpt (off); dpo-lora[-compiled][-ac][-copy]: the
+# trainer, eager or with every block compiled, with activation checkpointing (-ac) or without (the trainer's
+# default), the reference the adapters turned off or (-copy) a frozen bf16 copy of the base (objective.dpo.reference
+# copy: the same numbers for 16 GB more).
 # Default: trl trl-nockpt dpo-lora-compiled dpo-lora-compiled-ac.
 # Env: PAIRS (2), SEQ (2048), STEPS (30), MODEL_DIR (/tmp/llama-8b-hf), BUDGET_S (560).
 set -uo pipefail
@@ -48,13 +50,14 @@ for label in "${arms[@]}"; do
     arm "$label" python bench/dpo_peer_trl.py "$dir" "$records" "$pairs" "$seq" "$steps" "$checkpointing"
     continue
   fi
-  compile=false ac=false
+  compile=false ac=false reference=auto
   [[ $label == *compiled* ]] && compile=true
-  [[ $label == *-ac ]] && ac=true
+  [[ $label == *-ac* ]] && ac=true
+  [[ $label == *-copy ]] && reference=copy
   cat >"/tmp/dpo-pairs-$label.yaml" <<YAML
 model: {huggingface: {path: $dir}}
 data: {source: jsonl, path: $records}
-objective: {type: dpo, dpo: {beta: 0.1}}
+objective: {type: dpo, dpo: {beta: 0.1, reference: $reference}}
 lora: {r: 16, alpha: 32}
 strategy: {type: fsdp, fsdp: {compile: $compile, activationCheckpointing: $ac}}
 optimizer: {lr: 1.0e-5, weightDecay: 0.0}

@@ -215,13 +215,18 @@ class TrainingSpec(Model):
         Rule(
             "objective.dpo.reference", "a reference-free loss has no reference to compute: leave reference auto",
             At("objective.dpo.referenceFree").implies(At("objective.dpo.reference").eq("auto")),
-            good=(_dpo(referenceFree=True), _dpo(reference="precomputed")),
-            bad=(_dpo(referenceFree=True, reference="precomputed"),),
+            good=(_dpo(referenceFree=True), _dpo(reference="precomputed"), _dpo(reference="copy")),
+            bad=(_dpo(referenceFree=True, reference="precomputed"), _dpo(referenceFree=True, reference="copy")),
         ),
         Rule(
-            "lora", "adapters as the DPO reference need LoRA: set lora, or objective.dpo.reference precomputed",
+            "lora", "adapters as the DPO reference need LoRA: set lora, or objective.dpo.reference precomputed or "
+            "copy",
             At("objective.dpo.reference").eq("adapters").implies(Has("lora")),
-            good=({**_dpo(reference="adapters"), "lora": {"r": 8}}, _dpo(reference="precomputed")),
+            good=(
+                {**_dpo(reference="adapters"), "lora": {"r": 8}},
+                _dpo(reference="precomputed"),
+                _dpo(reference="copy"),
+            ),
             bad=(_dpo(reference="adapters"),),
         ),
         Rule(

@@ -34,12 +34,14 @@ class DpoConfig(Model):
     reference_free: bool = Field(
         False, description="Compare the policy's log-probabilities with no reference (a uniform one)."
     )
-    reference: Literal["auto", "adapters", "precomputed"] = Field(
+    reference: Literal["auto", "adapters", "precomputed", "copy"] = Field(
         "auto",
         description="Where the reference log-probabilities come from. adapters (LoRA): the same forward with the "
         "adapters turned off, no extra weights; precomputed: one pass over the records with the starting model "
-        "before the first step, kept on the claim next to the checkpoints and reused by every restart. auto: "
-        "adapters with LoRA, precomputed otherwise.",
+        "before the first step, kept on the claim next to the checkpoints and reused by every restart; copy: a "
+        "frozen copy of the starting model (without adapters) sharded like the policy, in the precision it "
+        "computes in, with no gradients or optimizer state, run beside the policy at every step (no first pass, "
+        "no files; its parameters cost memory). auto: adapters with LoRA, precomputed otherwise.",
     )
 
 
@@ -59,7 +61,7 @@ class ObjectiveConfig(Model):
 
 
 def reference_kind(dpo: DpoConfig, lora: bool) -> str:
-    """free, adapters or precomputed: what `reference` (auto) comes to, with or without LoRA."""
+    """free, adapters, precomputed or copy: what `reference` (auto) comes to, with or without LoRA."""
     if dpo.reference_free:
         return "free"
     if dpo.reference == "auto":

@@ -7,6 +7,7 @@ answers on held-out pairs."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ STEPS = 40
 # (architecture, strategy, lora): each strategy with and without LoRA, over two architectures (Gemma: tied
 # embeddings, which ZeRO-2's adapter-only checkpoint must leave out).
 RUNS = [("llama", "fsdp", False), ("llama", "zero2", True), ("gemma", "fsdp", True), ("gemma", "zero2", False)]
+# The full-weight runs again with a frozen copy of the model as the reference (sharded by FSDP2, whole under ZeRO-2).
+COPIES = [("llama", "fsdp"), ("gemma", "zero2")]
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +50,15 @@ def dpo_config(directory: Path, claim: Path, arch: str, strategy: str, lora: boo
 
 @pytest.fixture(scope="module")
 def runs(claim, tmp_path_factory):
-    """Every run of RUNS in one launch; each run's directory and metrics by its settings."""
+    """Every run of RUNS and COPIES in one launch; each run's directory and metrics by its settings (a copy's
+    as (arch, strategy, "copy"))."""
     tmp = tmp_path_factory.mktemp("preference")
     configs = [dpo_config(tmp / "-".join(map(str, combo)), claim, *combo) for combo in RUNS]
+    configs += [dpo_config(tmp / f"{arch}-{strategy}-copy", claim, arch, strategy, False,
+                           **{"objective.dpo.reference": "copy"}) for arch, strategy in COPIES]  # fmt: skip
+    keys = RUNS + [(arch, strategy, "copy") for arch, strategy in COPIES]
     done = run_many(tmp, configs, env={"DS_ACCELERATOR": "cpu"}, timeout=900)
-    return {combo: (config.parent, run) for combo, config, run in zip(RUNS, configs, done, strict=True)}
+    return {key: (config.parent, run) for key, config, run in zip(keys, configs, done, strict=True)}
 
 
 def held_out_pairs(run_dir: Path, claim: Path):
@@ -112,6 +119,29 @@ def test_a_preference_is_learned_and_the_export_prefers_the_chosen_answers(runs,
     assert implicit_reward_accuracy(base, base, pairs) == 0.0  # no preference without training (ties)
 
 
+@pytest.mark.parametrize(("arch", "strategy"), COPIES)
+def test_a_frozen_copy_as_the_reference_trains_as_the_precomputed_reference_does(runs, arch, strategy):
+    """The same full-weight run with its reference as a frozen copy of the starting model instead of log-
+    probabilities precomputed on the claim: nothing is precomputed, and every step's loss and rewards (and the
+    held-out ones) are the precomputed run's: the copy is the starting model and stays it (a copy that trained,
+    or kept the adapters, would drift from the numbers computed before the first step)."""
+    copy_dir, copy = runs[arch, strategy, "copy"]
+    _, precomputed = runs[arch, strategy, False]
+    assert copy.event("reference") is None and not (copy_dir / "ckpt" / "reference").exists()
+    want = {m["step"]: m for m in precomputed.metrics if "reward_accuracy" in m}
+    got = {m["step"]: m for m in copy.metrics if "reward_accuracy" in m}
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step, m in got.items():
+        for key in ("loss", "reward_margin", "chosen_reward", "rejected_reward", "reward_accuracy"):
+            assert m[key] == pytest.approx(want[step][key], rel=1e-3, abs=1e-4), (step, key, m, want[step])
+
+    def evals(run) -> list[float]:
+        return [e[k] for e in run.metrics if e.get("event") == "eval" for k in ("eval_loss", "eval_reward_accuracy")]
+
+    assert len(evals(copy)) == 4 and evals(copy) == pytest.approx(evals(precomputed), rel=1e-3)
+    assert evals(copy)[-1] > 0.9
+
+
 def test_dpo_stopped_mid_epoch_resumes_exactly(runs, claim, tmp_path):
     """Full weights under FSDP2, stopped as a pod deletion would: the final checkpoint, then a resume that
     reuses the precomputed reference on the claim and matches the uninterrupted run's loss and rewards at every
@@ -136,3 +166,32 @@ def test_dpo_stopped_mid_epoch_resumes_exactly(runs, claim, tmp_path):
     for step, m in got.items():
         for key in ("loss", "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward"):
             assert m[key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-5), (step, key, m, want[step])
+
+
+def test_dpo_resumes_on_half_the_world_and_recomputes_a_damaged_reference(runs, claim, tmp_path):
+    """The full-weights FSDP2 run's checkpoints (world 4) resumed on one node of 2 processes for 6 more steps,
+    after a NaN was written into the reference on the claim: the damaged file is set aside and computed again
+    from the starting weights (before the checkpoint is loaded) on the smaller world, matching the first one,
+    and the preference keeps being held."""
+    import numpy as np
+
+    directory, first = runs["llama", "fsdp", False]
+    shutil.copytree(directory / "ckpt", tmp_path / "ckpt")
+    reference = Path(first.event("reference")["path"])
+    mine = tmp_path / "ckpt" / "reference" / reference.name
+    original = np.load(mine / "logps.npy")
+    damaged = original.copy()
+    damaged[7, 1] = np.nan
+    np.save(mine / "logps.npy", damaged)
+
+    config = dpo_config(tmp_path, claim, "llama", "fsdp", False, steps=STEPS + 6, exportOnSuccess=False)
+    run = run_job(tmp_path, config, nodes=1, procs=2, timeout=600)
+    assert run.returncodes == [0], run.output[-3000:]
+    aside = run.event("reference_set_aside")
+    assert aside == {**aside, "path": str(mine / "logps.npy.damaged"), "reason": "values that are not finite"}
+    assert run.event("reference")["path"] == str(mine)
+    np.testing.assert_allclose(np.load(mine / "logps.npy"), original, rtol=1e-5, atol=1e-5)
+    assert run.event("resumed") == {**run.event("resumed"), "step": STEPS, "from_world": 4, "world": 2}
+    records = [m for m in run.metrics if "reward_accuracy" in m]
+    assert [m["step"] for m in records] == list(range(STEPS + 1, STEPS + 7)), records
+    assert sum(m["reward_accuracy"] for m in records) / len(records) > 0.7, records

@@ -267,3 +267,37 @@ def test_sigmoid_loss_of_equal_policy_and_reference_is_log_two(claim):
     _, reference = policy_and_reference(model_dir, lora=False)
     loss, metrics, _ = our_side(cfg, model_dir, reference.train(), copy.deepcopy(reference), batch)
     assert loss == pytest.approx(math.log(2), abs=1e-6) and metrics["reward_margin"] == pytest.approx(0, abs=1e-6)
+
+
+def test_a_damaged_reference_file_on_the_claim_is_set_aside_and_never_trained_on(tmp_path, monkeypatch):
+    """A precomputed reference is read back from the claim on every restart, so what is there is checked:
+    sound parts are kept; a part of the wrong shape, with a NaN, or not a numpy file at all is renamed
+    `*.damaged` (to be computed again), and so is a final file with an infinite value."""
+    import numpy as np
+
+    from sharded_trainer import objective
+
+    monkeypatch.setattr(objective, "PART_RECORDS", 4)  # 10 records: parts of 4, 4 and 2
+    parts = {name: np.zeros((n, 2)) for name, n in [("part-0000000000.npy", 4), ("part-0000000004.npy", 4)]}
+    parts["part-0000000004.npy"][1, 0] = np.nan
+    parts["part-0000000008.npy"] = np.zeros((3, 2))  # one row too many for the last part
+    for name, array in parts.items():
+        np.save(tmp_path / name, array)
+    sound, aside = objective.sound_reference_files(tmp_path, 10)
+    assert sound == ["part-0000000000.npy"]
+    assert [(p.name, reason) for p, reason in aside] == [
+        ("part-0000000004.npy.damaged", "values that are not finite"),
+        ("part-0000000008.npy.damaged", "(3, 2) values where (2, 2) belong"),
+    ]
+    assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["part-0000000000.npy"]
+
+    final = np.zeros((10, 2))
+    final[9, 1] = -np.inf
+    np.save(tmp_path / "logps.npy", final)
+    assert objective.sound_reference_files(tmp_path, 10)[0] == []  # the parts are not read past a final file
+    assert not (tmp_path / "logps.npy").exists() and (tmp_path / "logps.npy.damaged").is_file()
+    (tmp_path / "part-0000000000.npy").write_bytes(b"half a write")
+    [(path, reason)] = objective.sound_reference_files(tmp_path, 10)[1]
+    assert path.name == "part-0000000000.npy.damaged" and reason.startswith("unreadable"), reason
+    np.save(tmp_path / "logps.npy", np.ones((10, 2)))
+    assert objective.sound_reference_files(tmp_path, 10) == (["logps.npy"], [])

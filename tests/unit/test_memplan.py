@@ -314,3 +314,27 @@ def test_preference_pairs_count_two_rows_per_sample_and_the_reference_pass_its_l
     records = {"data": {"source": "jsonl", "path": "/p.jsonl", "tokenizer": "/t"}}
     full = memplan.job_of(auto_config(objective={"type": "dpo"}, **records), 8)
     assert (full.rows, full.reference_forward) == (2, False) and memplan.job_of(auto_config(), 8).rows == 1
+
+
+def test_a_frozen_reference_copy_adds_its_bf16_parameters_sharded_as_the_policy_and_its_logits():
+    """objective.dpo.reference copy: the starting model again, frozen, in bf16, sharded over the world under
+    FSDP2 (whole on every process under ZeRO-2, as the policy's parameters are; offloaded with FSDP2's offload),
+    and a forward pass whose logits add to the peak as the adapters-off pass's do; auto's plan counts it."""
+    shape = load_shape("llama-8b")  # auto_config's model
+    records = {"data": {"source": "jsonl", "path": "/p.jsonl", "tokenizer": "/t"}}
+    copy = memplan.job_of(auto_config(objective={"type": "dpo", "dpo": {"reference": "copy"}}, **records), 8)
+    precomputed = memplan.job_of(auto_config(objective={"type": "dpo"}, **records), 8)
+    assert (copy.reference_copy, copy.reference_forward) == (True, True)
+    assert (precomputed.reference_copy, precomputed.reference_forward) == (False, False)
+    for setting, share in [(Setting("fsdp"), 2 * shape.params / 8), (Setting("zero2"), 2 * shape.params),
+                           (Setting("fsdp", checkpointing=True, offload=True), 0.0)]:  # fmt: skip
+        with_copy, without = estimate(copy, setting), estimate(precomputed, setting)
+        assert with_copy.state - without.state == pytest.approx(share), setting
+        assert with_copy.transient - without.transient == 4 * 2 * 2048 * shape.vocab * memplan.REFERENCE_LOGIT_BYTES
+    # auto settles on what fits with the copy counted: at a budget where the precomputed job fits its fastest
+    # setting and the copy does not, the copy's plan moves down the list.
+    fastest = estimate(precomputed, memplan.SETTINGS[0])
+    budget = (fastest.peak + estimate(copy, memplan.SETTINGS[0]).peak) / 2
+    gpu = (budget + memplan.HEADROOM) / memplan.MARGIN
+    assert memplan.plan(precomputed, gpu)[1].setting == memplan.SETTINGS[0]
+    assert memplan.plan(copy, gpu)[1].setting != memplan.SETTINGS[0]

@@ -222,10 +222,12 @@ class Job:
     compile: bool = False
     # Sequences per sample: 2 for preference pairs (DPO trains a pair's two rows in one forward pass).
     rows: int = 1
-    # DPO's reference as a forward pass without gradients (LoRA, adapters off), run after the policy's forward
-    # while its activations are held: its logits and their fp32 log-softmax add to the peak (a precomputed
-    # reference is two numbers per pair).
+    # DPO's reference as a forward pass without gradients (LoRA, adapters off; or a frozen copy), run after the
+    # policy's forward while its activations are held: its logits and their fp32 log-softmax add to the peak (a
+    # precomputed reference is two numbers per pair).
     reference_forward: bool = False
+    # DPO's reference as a frozen copy of the model: its bf16 parameters, sharded as the policy's are.
+    reference_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,8 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     kept = 0.0 if setting.offload and fsdp else frozen + (0 if setting.offload else 12 * trained / w)
     if not fsdp:
         kept += 2 * trained
+    if job.reference_copy and not (setting.offload and fsdp):
+        kept += 2 * s.params / (w if fsdp else 1)
     grads = 0.0 if setting.offload else 4 * trained / w
     tokens = job.micro_batch * job.rows * job.seq
     blocks = s.layers * s.block_act_bytes()
@@ -345,9 +349,10 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
     except ValueError as e:
         raise ConfigError(f"model.huggingface.path: {e}") from None
     lora, dpo = cfg.lora, cfg.objective.type == "dpo"
-    live_reference = dpo and reference_kind(cfg.objective.dpo_settings, lora is not None) == "adapters"
+    reference = reference_kind(cfg.objective.dpo_settings, lora is not None) if dpo else None
     return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
-               bool(lora and lora.quantize_base), rows=2 if dpo else 1, reference_forward=live_reference)  # fmt: skip
+               bool(lora and lora.quantize_base), rows=2 if dpo else 1,
+               reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy")  # fmt: skip
 
 
 def settle(

@@ -1,9 +1,12 @@
 """What a micro-batch's loss is: next-token cross-entropy (sft) or preference (dpo). The strategies call
 `loss` inside their step and `held_out` when evaluating; the objective keeps the metrics of its own kind.
 
-DPO's reference log-probabilities come from one of three places:
-- adapters (LoRA): the same model with the adapters turned off, in a forward without gradients before the
+DPO's reference log-probabilities come from one of four places:
+- adapters (LoRA): the same model with the adapters turned off, in a forward without gradients after the
   policy's; no extra weights;
+- copy: a frozen copy of the starting model, without adapters, built again from the same weights and placed by
+  the strategy as the policy is (sharded by FSDP2, whole under ZeRO-2) in the dtype it computes in: no fp32
+  master, gradients or optimizer state, and nothing on the claim; its forward runs after the policy's;
 - precomputed: one pass over every record with the starting model before the first step (under LoRA, the base:
   the starting adapters add zeros), written to the claim next to the checkpoints in parts as it goes, so a restart
   reuses them and an interrupted pass goes on from its last part; each pair then carries its two numbers;
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from sharded_api.config import TrainerConfig
 from sharded_api.objective import reference_kind as objective_reference
 from sharded_trainer.data.sources import IGNORE, Batch, PairBatch, collate
-from sharded_trainer.modeling.decoder import Network
+from sharded_trainer.modeling.decoder import DTYPES, Network
 from sharded_trainer.modeling.dpo import pair_loss, pair_rows, sequence_logps
 from sharded_trainer.modeling.loss import loss_function
 
@@ -61,10 +64,11 @@ class Preference:
 
     kind = "dpo"
 
-    def __init__(self, net: Network, cfg: TrainerConfig, device: torch.device):
+    def __init__(self, net: Network, cfg: TrainerConfig, device: torch.device, place=None):
         self.net, self.settings = net, cfg.objective.dpo_settings
         self.reference = reference_kind(cfg)
         self.sums = torch.zeros(1 + len(DPO_METRICS), dtype=torch.float64, device=device)
+        self.copy = frozen_copy(cfg, place) if self.reference == "copy" else None
 
     def _policy_logps(self, module, rows: torch.Tensor, targets: torch.Tensor):
         return sequence_logps(self.net.logits(module, rows, None), targets)
@@ -75,6 +79,10 @@ class Preference:
         if self.reference == "precomputed":
             assert batch.reference is not None, "the reference log-probabilities were not loaded"
             return pair_rows(batch.reference.to(torch.float32).unsqueeze(-1)).squeeze(-1)
+        if self.reference == "copy":
+            net, copy = self.copy
+            with torch.no_grad():
+                return sequence_logps(net.logits(copy, rows, None), targets)[0]
         with torch.no_grad(), adapters_off(self.net):
             return self._policy_logps(module, rows, targets)[0]
 
@@ -120,14 +128,29 @@ class Preference:
         return {k: round(float(v) / pairs, 5) for k, v in zip(DPO_METRICS, sums[1:].tolist(), strict=True)}
 
 
-def build_objective(net: Network, cfg: TrainerConfig, device: torch.device, compile: bool):
+def build_objective(net: Network, cfg: TrainerConfig, device: torch.device, compile: bool, place=None):
+    """The objective of `cfg`; `place(net) -> module` puts a frozen reference copy where the strategy keeps the
+    policy (called only for objective.dpo.reference copy)."""
     if cfg.objective.type == "dpo":
-        return Preference(net, cfg, device)
+        return Preference(net, cfg, device, place)
     return NextToken(net, compile)
 
 
+def frozen_copy(cfg: TrainerConfig, place) -> tuple[Network, torch.nn.Module]:
+    """The starting model built again without adapters, frozen and cast to the dtype it computes in (mixed
+    precision computes in the cast of the fp32 master: the same numbers), then placed by the strategy."""
+    from sharded_trainer.modeling.build import build_network
+
+    net = build_network(cfg.model_copy(update={"lora": None}))
+    net.module.requires_grad_(False)
+    net.module.to(DTYPES[cfg.precision])
+    module = place(net)
+    module.eval()
+    return net, module
+
+
 def reference_kind(cfg: TrainerConfig) -> str:
-    """free, adapters or precomputed: what objective.dpo.reference (auto) comes to for this config."""
+    """free, adapters, precomputed or copy: what objective.dpo.reference (auto) comes to for this config."""
     return objective_reference(cfg.objective.dpo_settings, cfg.lora is not None)
 
 
@@ -157,22 +180,55 @@ def _write_aside(path: Path, array: np.ndarray) -> None:
     os.replace(aside, path)
 
 
+def sound_reference_files(directory: Path, total: int) -> tuple[list[str], list[tuple[Path, str]]]:
+    """The names of the reference files in `directory` fit to train on (logps.npy, or the parts so far), and
+    those set aside: a file of the wrong shape, with a value that is not finite, or unreadable is renamed
+    `*.damaged` and computed again, never trained on (a claim can be written to by hand, or damaged)."""
+    sound, aside = [], []
+    final = directory / "logps.npy"
+    files = [final] if final.is_file() else sorted(directory.glob("part-*.npy"))
+    for path in files:
+        first = 0 if path == final else int(path.stem.split("-")[1])
+        want = (total, 2) if path == final else (min(PART_RECORDS, total - first), 2)
+        try:
+            array = np.load(path)
+            reason = (
+                f"{array.shape} values where {want} belong" if array.shape != want
+                else "values that are not finite" if not np.isfinite(array).all() else ""
+            )  # fmt: skip
+        except (OSError, ValueError) as exc:
+            reason = f"unreadable ({exc})"
+        if not reason:
+            sound.append(path.name)
+            continue
+        damaged = path.with_name(f"{path.name}.damaged")
+        os.replace(path, damaged)
+        aside.append((damaged, reason))
+    return sound, aside
+
+
 @torch.no_grad()
-def precompute_reference(objective: Preference, module, source, directory: Path, env, micro: int) -> np.ndarray:
+def precompute_reference(
+    objective: Preference, module, source, directory: Path, env, micro: int, on_set_aside=None
+) -> np.ndarray:
     """(records, 2) reference log-probabilities of every record of `source`'s cache (both splits), computed
     with the model as it is now (the starting weights; with LoRA, adapters whose B is zero), in parts of
-    PART_RECORDS records that rank 0 writes as they are done; parts already on the claim are read, not
-    computed again. Every rank runs as many forward passes (FSDP gathers parameters collectively): past the
-    end, a rank recomputes record 0."""
+    PART_RECORDS records that rank 0 writes as they are done; sound parts already on the claim are read, not
+    computed again, and a damaged one is set aside (`on_set_aside(path, reason)` on rank 0) and computed again.
+    Every rank runs as many forward passes (FSDP gathers parameters collectively): past the end, a rank
+    recomputes record 0."""
     final = directory / "logps.npy"
     total = int(source.meta["records"])
-    if final.is_file():
-        return np.load(final)
     directory.mkdir(parents=True, exist_ok=True)
     have = [None]
     if env.is_main:
-        have[0] = sorted(p.name for p in directory.glob("part-*.npy"))
+        have[0], aside = sound_reference_files(directory, total)
+        for path, reason in aside:
+            if on_set_aside is not None:
+                on_set_aside(path, reason)
     dist.broadcast_object_list(have, src=0)
+    if final.name in have[0]:
+        return np.load(final)
     was_training = module.training
     module.eval()
     try:
@@ -207,7 +263,4 @@ def precompute_reference(objective: Preference, module, source, directory: Path,
         for p in parts:
             p.unlink()
     dist.barrier()
-    logps = np.load(final)
-    if logps.shape != (total, 2):
-        raise RuntimeError(f"{final}: {logps.shape} reference log-probabilities for {total} records; delete it")
-    return logps
+    return np.load(final)

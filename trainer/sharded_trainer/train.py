@@ -129,14 +129,20 @@ def token_source(cfg: TrainerConfig, env: DistEnv, vocab_size: int):
 def prepare_reference(cfg: TrainerConfig, env: DistEnv, net: Network, strategy, sources: list) -> None:
     """DPO with a precomputed reference: every record's reference log-probabilities, from the claim or from a
     pass of the model as built (before any checkpoint is loaded into it: the starting weights)."""
-    objective = getattr(strategy, "objective", None)
-    if objective is None or getattr(objective, "reference", None) != "precomputed":
+    objective = strategy.objective
+    if getattr(objective, "reference", None) != "precomputed":
         return
     train_rows = sources[0]
     root = Path(cfg.checkpoint.dir or tempfile.gettempdir()) / "reference"
     directory = root / reference_key(cfg, net, train_rows.directory)
     began = time.monotonic()
-    logps = precompute_reference(objective, strategy.forward_module, train_rows, directory, env, cfg.micro_batch_size)
+
+    def set_aside(path: Path, reason: str) -> None:  # rank 0
+        emit({"event": "reference_set_aside", "path": str(path), "reason": reason})
+
+    logps = precompute_reference(
+        objective, strategy.forward_module, train_rows, directory, env, cfg.micro_batch_size, set_aside
+    )
     if env.is_main:
         emit({"event": "reference", "records": len(logps), "path": str(directory),
               "seconds": round(time.monotonic() - began, 1)})  # fmt: skip

@@ -28,7 +28,13 @@ from sharded_trainer.strategies.parallel import (
 
 
 def apply_fsdp(
-    model: nn.Module, *, mesh, options: FsdpOptions, param_dtype: torch.dtype, ignored: set[nn.Parameter] | None = None
+    model: nn.Module,
+    *,
+    mesh,
+    options: FsdpOptions,
+    param_dtype: torch.dtype,
+    ignored: set[nn.Parameter] | None = None,
+    frozen: bool = False,
 ) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, final norm, output) with FSDP2.
 
@@ -50,8 +56,9 @@ def apply_fsdp(
     )
     for block in sharded:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)
-    # The root's parameters are needed again at the start of backward: keep them gathered.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
+    # The root's parameters are needed again at the start of backward: keep them gathered. A frozen module
+    # (DPO's reference copy) has no backward to free them: every forward reshards.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=frozen, **extra)
     # prefetch N: each block issues the all-gathers of the next N blocks before its own forward compute and
     # of the previous N before its backward. 0 leaves FSDP2's implicit order: forward all-gathers issued as
     # the host reaches each block, backward one block ahead.
@@ -107,11 +114,22 @@ class FsdpStrategy:
         if net.source is not None:  # built on the meta device: each rank reads only the rows it keeps
             # FSDP2 keeps offloaded shards in host memory and moves each to the GPU as it is used.
             materialize(self.model, torch.device("cpu") if cfg.strategy.fsdp.cpu_offload else env.device, net.source)
-        self.objective = build_objective(net, cfg, env.device, cfg.strategy.fsdp.compile)
+        self.objective = build_objective(net, cfg, env.device, cfg.strategy.fsdp.compile, self._place_copy)
         self.optimizer = make_optimizer(trainable(self.model), cfg, env.device)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self._ckpt_group = None
         self._stager = None
+
+    def _place_copy(self, net: Network) -> nn.Module:
+        """DPO's frozen reference sharded as the policy is, with nothing kept gathered between its forwards (it
+        has no backward) and no activations kept for one."""
+        options = self.cfg.strategy.fsdp.model_copy(update={"activation_checkpointing": False,
+                                                            "reshard_after_forward": True})  # fmt: skip
+        module = apply_fsdp(net.module, mesh=self.mesh, options=options, param_dtype=DTYPES[self.cfg.precision],
+                            frozen=True)  # fmt: skip
+        if net.source is not None:
+            materialize(module, torch.device("cpu") if options.cpu_offload else self.env.device, net.source)
+        return module
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)

@@ -110,7 +110,17 @@ class Zero2Strategy:
             for holder in (self.engine, self.engine.optimizer):
                 if hasattr(holder, "param_names"):
                     holder.param_names = names
-        self.objective = build_objective(net, cfg, env.device, cfg.strategy.zero2.compile)
+        self.objective = build_objective(net, cfg, env.device, cfg.strategy.zero2.compile, self._place_copy)
+
+    def _place_copy(self, net: Network) -> nn.Module:
+        """DPO's frozen reference whole on every rank, as ZeRO-2 keeps the policy's parameters (outside the engine:
+        it has no gradients or optimizer state)."""
+        wrap_blocks(decoder_layers(net.module), activation_checkpointing=False, compile=self.cfg.strategy.zero2.compile)
+        if net.source is not None:
+            materialize(net.module, self.env.device, net.source)
+        else:
+            net.module.to(self.env.device)
+        return net.module
 
     def train_step(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor | None]:
         total = torch.zeros((), device=self.env.device)

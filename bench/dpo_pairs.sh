@@ -68,4 +68,15 @@ logEvery: 10
 checkpoint: {dir: /tmp/dpo-pairs-$label-$pairs, interval: 100000, resume: false}
 YAML
   arm "$label" torchrun --standalone --nproc-per-node 1 -m sharded_trainer --config "/tmp/dpo-pairs-$label.yaml"
+  # The memory model's peak for this arm's config on one process (what `strategy.type: auto` would weigh).
+  python - "/tmp/dpo-pairs-$label.yaml" <<'PY' | sed "s/^/ARM $label /" | tee -a "$out"
+import dataclasses, json, sys, yaml
+from sharded_api.config import TrainerConfig
+from sharded_trainer import memplan
+cfg = TrainerConfig.model_validate(yaml.safe_load(open(sys.argv[1])))
+fsdp = cfg.strategy.fsdp
+job = dataclasses.replace(memplan.job_of(cfg, 1), compile=fsdp.compile)
+setting = memplan.Setting("fsdp", reshard=fsdp.reshard_after_forward, checkpointing=fsdp.activation_checkpointing)
+print("PREDICTED", json.dumps({"peak_gib": round(memplan.estimate(job, setting).peak / 2**30, 2)}))
+PY
 done

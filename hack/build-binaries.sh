@@ -24,12 +24,12 @@ flock 9
 
 declare -A version=(
   [kube-apiserver]=$KUBERNETES_VERSION [kube-controller-manager]=$KUBERNETES_VERSION
-  [kube-scheduler]=$KUBERNETES_VERSION [kubectl]=$KUBERNETES_VERSION [etcd]=$ETCD_VERSION
+  [kube-scheduler]=$KUBERNETES_VERSION [kubectl]=$KUBERNETES_VERSION [kubelet]=$KUBERNETES_VERSION [etcd]=$ETCD_VERSION
   [kwok]=$KWOK_VERSION-$(sha256sum "$here/patches/kwok-pod-uid.patch" | cut -c1-8) [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION [kueue]=$KUEUE_VERSION
   [vc-scheduler]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION [vc-controller-manager]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION
   [coscheduler]=$SCHEDULER_PLUGINS_VERSION
 )
-order=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm actionlint kueue
+order=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet etcd kwok helm actionlint kueue
        vc-scheduler vc-controller-manager coscheduler)
 
 missing=0
@@ -133,7 +133,7 @@ for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ver+=" -X $p.gitVersion=$KUBERNETES_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$k8s_minor"
   ver+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
 done
-for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do
   build "$b" k8s.io/kubernetes "k8s.io/kubernetes/cmd/$b" "$ver"
 done
 build etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3

@@ -46,10 +46,10 @@ SHARED_RUNS = ["tests/trainer/test_torchrun.py", "tests/trainer/test_options.py"
 LANES = {
     "lane1": ["tests/trainer", "tests/unit", *(f"--ignore={m}" for m in SHARED_RUNS)],
     "lane2": ["tests/e2e"],
-    "lane3": ["tests/integration", "tests/soak", *SHARED_RUNS],
+    "lane3": ["tests/integration", "tests/realnode", "tests/soak", *SHARED_RUNS],
 }
 # What the lanes run together: the whole suite, collected once for the floor.
-TIERS = ["tests/unit", "tests/trainer", "tests/integration", "tests/e2e", "tests/soak"]
+TIERS = ["tests/unit", "tests/trainer", "tests/integration", "tests/realnode", "tests/e2e", "tests/soak"]
 
 
 def _pytest(*args: str) -> list[str]:

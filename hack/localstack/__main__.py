@@ -1,6 +1,6 @@
 """The local control plane from the command line (`make cluster-up`, `make cluster-down`):
 
-PYTHONPATH=hack python -m localstack up [--dir .cluster] [--gpu-nodes 4]   # prints the kubeconfig path
+PYTHONPATH=hack python -m localstack up [--dir .cluster] [--gpu-nodes 4] [--real-nodes 0]   # prints the kubeconfig path
 PYTHONPATH=hack python -m localstack down [--dir .cluster]
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from localstack.cluster import ROOT, LocalCluster, binaries_dir
 from localstack.processes import stop_dir
+from localstack.realnode import RealNode, probe_image, stop_nodes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,18 +22,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down"])
     parser.add_argument("--dir", type=Path, default=ROOT / ".cluster", help="state directory")
     parser.add_argument("--gpu-nodes", type=int, default=4, help="KWOK nodes with 8 GPUs each")
+    parser.add_argument("--real-nodes", type=int, default=0,
+                        help="nodes run by the real kubelet and containerd (localstack/realnode.py; needs root), "
+                             "tainted sharded.dev/real-node=true:NoSchedule")  # fmt: skip
     args = parser.parse_args(argv)
     workdir = args.dir.resolve()
     if args.command == "down":
+        stop_nodes(workdir)
         stop_dir(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
         print(f"stopped the cluster in {workdir}", file=sys.stderr)
         return 0
+    stop_nodes(workdir)
     stop_dir(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     started = time.monotonic()
     cluster = LocalCluster(workdir=workdir, bin_dir=binaries_dir(), gpu_nodes=args.gpu_nodes).start()
+    for index in range(1, args.real_nodes + 1):
+        RealNode(cluster, index).start([probe_image()])
     print(
         f"cluster ready in {time.monotonic() - started:.0f}s (API {cluster.server}, logs in {workdir / 'logs'})\n"
         f"  export KUBECONFIG={cluster.kubeconfig}\n"

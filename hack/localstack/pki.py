@@ -54,41 +54,13 @@ def write_pki(pki: Path) -> None:
     write_key(ca_key, "ca.key")
     (pki / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
 
-    def leaf(file: str, subject: x509.Name, server: bool) -> None:
-        k = key()
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(ca.subject)
-            .public_key(k.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(later)
-        )
-        if server:
-            import ipaddress
-
-            sans = [
-                x509.DNSName("localhost"),
-                x509.DNSName("kubernetes"),
-                x509.DNSName("kubernetes.default.svc"),
-                x509.IPAddress(ipaddress.ip_address(HOST)),
-                x509.IPAddress(ipaddress.ip_address("10.96.0.1")),
-            ]
-            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            usage = x509.oid.ExtendedKeyUsageOID.SERVER_AUTH
-        else:
-            usage = x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH
-        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        write_key(k, f"{file}.key")
-        (pki / f"{file}.crt").write_bytes(b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
-
-    leaf("apiserver", name("kube-apiserver"), server=True)
-    leaf("admin", name("admin", "system:masters"), server=False)
+    served = {"ips": [HOST, "10.96.0.1"], "dns": ["localhost", "kubernetes", "kubernetes.default.svc"]}
+    issue(pki, "apiserver", "kube-apiserver", None, **served)
+    issue(pki, "admin", "admin", "system:masters")
     # The node agent's kubelet endpoint (container logs), and the API server's client identity towards it.
-    leaf("kubelet", name("local-kubelet"), server=True)
-    leaf("apiserver-kubelet-client", name("kube-apiserver-kubelet-client", "system:masters"), server=False)
-    leaf("webhook", name("local-webhooks"), server=True)  # admission webhooks served on loopback (Kueue)
+    issue(pki, "kubelet", "local-kubelet", None, **served)
+    issue(pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
+    issue(pki, "webhook", "local-webhooks", None, **served)  # admission webhooks served on loopback (Kueue)
     sa = key()
     write_key(sa, "sa.key")
     (pki / "sa.pub").write_bytes(
@@ -115,3 +87,41 @@ def kubeconfig(pki: Path, server: str) -> dict:
         "contexts": [{"name": "local", "context": {"cluster": "local", "user": "admin", "namespace": "default"}}],
         "current-context": "local",
     }
+
+
+def issue(pki: Path, file: str, cn: str, org: str | None, ips: list[str] = (), dns: list[str] = ()) -> None:
+    """A certificate from the CA of `pki` (write_pki's) as `file`.crt/.key: a client one, or with `ips` and
+    `dns` a serving one for those addresses and names."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    k = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    now = datetime.datetime.now(datetime.UTC)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name(attrs))
+        .issuer_name(ca.subject)
+        .public_key(k.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=365))
+    )
+    if ips or dns:
+        sans = [*(x509.DNSName(d) for d in dns), *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips)]
+        b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    usage = ExtendedKeyUsageOID.SERVER_AUTH if ips or dns else ExtendedKeyUsageOID.CLIENT_AUTH
+    b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    pem = k.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+    )
+    (pki / f"{file}.key").write_bytes(pem)
+    (pki / f"{file}.crt").write_bytes(b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))

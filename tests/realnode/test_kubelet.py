@@ -1,0 +1,208 @@
+"""The pods the operator builds, run by the real kubelet: a node of the local control plane run by the kubelet
+of the control plane's Kubernetes version with containerd, runc and the CNI bridge (hack/localstack/realnode.py),
+not by the node agent's imitation of it.
+
+Each pod is the operator's own (`podspec.build_pod`: its security contexts, /dev/shm, progress token, trainer
+config, grace period) with the container's image and command swapped for a busybox shell that reports what
+the kubelet gave it, so what is proven is what the kubelet does with the operator's spec: /dev/shm a
+memory-backed tmpfs of the spec's size, the `restricted` contexts (uid, fsGroup, no capabilities, no new
+privileges), a projected token for the operator's audience, requested by the kubelet under the node's own
+identity, that the operator's verifier accepts as this pod's; SIGTERM on deletion and the exit code kept, then
+SIGKILL at the end of the grace period; `kubectl logs` through the API server to the kubelet's TLS server.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from localstack import cluster as localcluster
+from localstack.realnode import PROBE_IMAGE, TAINT, RealNode, probe_image, stop_node
+from sharded_operator.decide.views import PodView
+from sharded_operator.render import children, podspec
+from sharded_operator.run.issuer import IssuerKeys
+from sharded_operator.settings import OperatorSettings
+from support.jobs import make_job
+
+pytestmark = pytest.mark.realnode
+SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
+TOKEN = "/var/run/secrets/training.sharded.dev/progress/token"
+HOLD = "sharded.dev/test-hold"  # keeps a deleted pod readable once the kubelet has stopped it
+
+
+@pytest.fixture(scope="module")
+def node():
+    with localcluster.running_cluster(gpu_nodes=0) as cluster:
+        real = RealNode(cluster, 1)
+        try:
+            yield real.start([probe_image()])
+        finally:
+            real.stop()
+
+
+@pytest.fixture
+def namespace(node):
+    name = f"rn-{uuid.uuid4().hex[:6]}"
+    node.cluster.api("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+    deadline = time.monotonic() + 30
+    while not node.cluster.api("GET", f"/api/v1/namespaces/{name}/serviceaccounts")["items"]:
+        assert time.monotonic() < deadline, "the default ServiceAccount was not made"
+        time.sleep(0.2)
+    return name
+
+
+def run_probe(node: RealNode, job, index: int, script: str, *, hold: bool = False, grace: int | None = None) -> dict:
+    """The operator's pod for `job`'s node `index` (and its trainer ConfigMap), its container running
+    `script` in the probe image, on the real node."""
+    api, ns = node.cluster.api, job.metadata["namespace"]
+    config_map = children.build_config_map(job, SETTINGS)
+    if (
+        api("GET", f"/api/v1/namespaces/{ns}/configmaps?fieldSelector=metadata.name={config_map['metadata']['name']}")[
+            "items"
+        ]
+        == []
+    ):
+        api("POST", f"/api/v1/namespaces/{ns}/configmaps", config_map)
+    pod = podspec.build_pod(job, index, 1, SETTINGS)
+    pod["metadata"].pop("ownerReferences", None)  # no job object here: nothing would collect it
+    if hold:
+        pod["metadata"]["finalizers"] = [HOLD]
+    spec = pod["spec"]
+    spec["nodeName"] = node.name
+    spec["tolerations"] = [*spec.get("tolerations", []), {**TAINT, "operator": "Equal"}]
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
+    [container] = spec["containers"]
+    container.update(image=PROBE_IMAGE, imagePullPolicy="Never", command=["/bin/sh", "-c", script])
+    return api("POST", f"/api/v1/namespaces/{ns}/pods", pod)
+
+
+def wait_pod(node: RealNode, ns: str, name: str, until, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = node.cluster.api("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
+        if until(pod):
+            return pod
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pod {name} never got there: {json.dumps(pod.get('status'))[:1500]}\n"
+                                 f"{node.log_tail('kubelet')}")  # fmt: skip
+        time.sleep(0.3)
+
+
+def phase_is(*phases: str):
+    return lambda pod: pod["status"].get("phase") in phases
+
+
+def logs(node: RealNode, ns: str, name: str) -> str:
+    """The container's log as `kubectl logs` reads it: through the API server, from the kubelet's TLS server."""
+    cluster = node.cluster
+    out = subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "-n", ns,
+                          "logs", name], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_training_pod_gets_its_shm_its_restricted_users_and_a_progress_token_bound_to_it(node, namespace):
+    job = make_job("probe", namespace).spec("shmSize", "96Mi").model()
+    script = (
+        "echo df $(df -k /dev/shm | tail -n 1); echo mount $(grep ' /dev/shm ' /proc/mounts);"
+        " echo uid $(id -u) groups $(id -G);"
+        " grep -E '^(NoNewPrivs|CapEff)' /proc/self/status; echo shmgroup $(stat -c %g /dev/shm);"
+        f" echo token $(cat {TOKEN}); echo config $(head -c 200 /etc/sharded/trainer.yaml | tr '\\n' ' ')"
+    )
+    created = run_probe(node, job, 0, script)
+    pod = wait_pod(node, namespace, created["metadata"]["name"], phase_is("Succeeded", "Failed"))
+    out = logs(node, namespace, created["metadata"]["name"])
+    assert pod["status"]["phase"] == "Succeeded", out
+    lines = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+
+    assert lines["df"][1] == str(96 * 1024), out  # 1K blocks: the spec's 96Mi
+    assert lines["mount"][:3] == ["tmpfs", "/dev/shm", "tmpfs"], out  # memory-backed
+    uid = str(SETTINGS.pod_uid)
+    assert lines["uid"][0] == uid and uid in lines["uid"][2:], out  # runAsUser, and fsGroup among its groups
+    assert lines["shmgroup"] == [uid], out  # the kubelet gives the fsGroup the volumes it owns
+    assert lines["NoNewPrivs:"] == ["1"] and lines["CapEff:"] == ["0000000000000000"], out
+    assert lines["config"], out  # the trainer config from the operator's ConfigMap
+
+    # The token the kubelet requested for the pod: the operator's verifier (offline, against the issuer's keys)
+    # takes it as this pod's, and its lifetime is the one the operator asked for.
+    [token] = lines["token"]
+    api = node.cluster.api
+    keys = IssuerKeys(lambda: api("GET", "/.well-known/openid-configuration"), lambda: api("GET", "/openid/v1/jwks"))
+    keys.refresh()
+    sender = keys.verify(token, SETTINGS.progress_audience)
+    assert (sender.namespace, sender.pod_name, sender.pod_uid) == (namespace, pod["metadata"]["name"],
+                                                                   pod["metadata"]["uid"])  # fmt: skip
+    claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
+    assert claims["exp"] - claims["iat"] == SETTINGS.token_seconds
+    assert claims["kubernetes.io"]["node"]["name"] == node.name  # requested with the node's identity
+
+
+def test_a_deleted_pod_gets_sigterm_and_keeps_its_exit_code_then_sigkill_at_the_end_of_its_grace(node, namespace):
+    """The trainer's stop path as the kubelet drives it: deleting a pod sends SIGTERM (the trainer checkpoints
+    and exits 75, which the operator reads as stopped, not failed); a process that ignores it is killed when
+    the pod's grace period ends (137), not before."""
+    job = make_job("stop", namespace).model()
+    ready = "echo up; while [ ! -e /dev/shm/stop ]; do sleep 0.2; done"
+    polite = run_probe(node, job, 0, f"trap 'echo term; exit 75' TERM; {ready}", hold=True)
+    stubborn = run_probe(node, job, 1, f"trap 'echo ignored' TERM; {ready}", hold=True, grace=4)
+    names = [polite["metadata"]["name"], stubborn["metadata"]["name"]]
+    try:
+        for name in names:
+            wait_pod(node, namespace, name, phase_is("Running"))
+            deadline = time.monotonic() + 20
+            while "up" not in logs(node, namespace, name):  # the trap is set once it has printed
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        deleted = time.time()
+        for name in names:
+            node.cluster.api("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}")
+        views = {}
+        for name in names:
+            pod = wait_pod(node, namespace, name, phase_is("Succeeded", "Failed"), timeout=60)
+            views[name] = PodView.from_pod(pod)
+        stopped, killed = views[names[0]], views[names[1]]
+        assert (stopped.exit_code, stopped.deleting) == (75, True), stopped
+        assert killed.exit_code == 137, killed
+        took = {name: dt.datetime.fromisoformat(v.finished_at).timestamp() - deleted for name, v in views.items()}
+        assert took[names[0]] < 4 <= took[names[1]] + 1, took  # SIGKILL waits for the grace (whole seconds)
+    finally:
+        for name in names:
+            node.cluster.api(
+                "PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", {"metadata": {"finalizers": None}},
+                content_type="application/merge-patch+json",
+            )  # fmt: skip
+
+
+def test_a_node_its_launcher_lost_is_stopped_by_its_pid_files_and_leaves_nothing_mounted_or_running(node, namespace):
+    """`make cluster-down`, or the next `up`, after a launcher died with a pod running: the node is found by
+    its pid files, its containers killed through containerd, and every mount under its root undone."""
+    lost = RealNode(node.cluster, 2).start([probe_image()])
+    job = make_job("lost", namespace).model()
+    created = run_probe(lost, job, 0, "sleep 600")
+    wait_pod(node, namespace, created["metadata"]["name"], phase_is("Running"))
+
+    def under_root() -> tuple[list[str], list[str]]:
+        mounts = [m.split()[1] for m in Path("/proc/mounts").read_text().splitlines() if f" {lost.root}/" in m]
+        running = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if str(lost.root).encode() in cmdline.read_bytes():
+                    running.append(cmdline.parent.name)
+            except OSError:  # gone meanwhile
+                pass
+        return mounts, running
+
+    mounts, running = under_root()
+    assert any(m.endswith("/dev/shm") or "volumes" in m for m in mounts) and running, (mounts, running)
+    lost.procs.clear()  # the launcher's handles are gone: only what is on disk is left
+    stop_node(node.cluster.workdir, lost.root)
+    assert under_root() == ([], []), under_root()
+    assert not list((node.cluster.workdir / "pids").glob(f"{lost.name}-*"))

@@ -71,6 +71,12 @@ def set_ownership(mounts: list[Mount], fs_group: int | None) -> None:
             os.chmod(path, mode | 0o060 | (0o2010 if path.is_dir() else 0))
 
 
+def tmpfs_options(size: int, fs_group: int | None) -> str:
+    """A memory-backed emptyDir as the real kubelet leaves it (tests/realnode): with an fsGroup, root's and the
+    group's, mode 3777 (setgid, sticky, everyone writes); without, mode 1777."""
+    return f"size={size},mode=3777,gid={fs_group}" if fs_group is not None else f"size={size},mode=1777"
+
+
 def run_argv(pod, uid: str, netns: str, mounts: list[Mount], env: dict[str, str]) -> list[str]:
     """`docker run` of the pod's (first) container, attached: its exit is the pod's, its output the log."""
     container = pod.spec.containers[0]
@@ -92,10 +98,8 @@ def run_argv(pod, uid: str, netns: str, mounts: list[Mount], env: dict[str, str]
     if "memory" in limits:
         argv += ["--memory", str(int(quantity_value(limits["memory"])))]
     for m in mounts:
-        if m.tmpfs_bytes is not None and m.target == "/dev/shm":
-            argv += ["--shm-size", str(m.tmpfs_bytes)]
-        elif m.tmpfs_bytes is not None:
-            argv += ["--tmpfs", f"{m.target}:size={m.tmpfs_bytes},mode=1777"]
+        if m.tmpfs_bytes is not None:  # /dev/shm among them: docker's own --shm-size would be root's
+            argv += ["--tmpfs", f"{m.target}:{tmpfs_options(m.tmpfs_bytes, pod_sc and pod_sc.fs_group)}"]
         else:
             argv += ["-v", f"{m.source}:{m.target}{':ro' if m.read_only else ''}"]
     for key, value in env.items():

@@ -265,7 +265,9 @@ class PodStarter:
             # The mount point must exist in the shared filesystem; the mount itself stays in the pod's namespace.
             Path(m.target).mkdir(parents=True, exist_ok=True)
             if m.tmpfs_bytes is not None:
-                lines.append(f"mount -t tmpfs -o size={m.tmpfs_bytes} tmpfs {target}")
+                sc = pod.spec.security_context
+                options = podcontainers.tmpfs_options(m.tmpfs_bytes, sc.fs_group if sc else None)
+                lines.append(f"mount -t tmpfs -o {options} tmpfs {target}")
             else:
                 lines.append(f"mount --bind {shlex.quote(str(m.source))} {target}")
             if m.read_only:

@@ -100,16 +100,20 @@ def test_a_killed_container_restarts_the_gang_and_it_resumes_from_the_newest_che
     jobs.create(in_image(name, images, steps=80))
     jobs.wait(name, lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, what="first checkpoint")
     victim = next(r for r in jobs.runs(name) if r.name == f"{name}-1")
-    inspect = subprocess.run(["docker", "inspect", "-f", "{{.Config.Image}} {{.Config.User}} {{.HostConfig.ShmSize}}",
+    inspect = subprocess.run(["docker", "inspect", "-f", "{{.Config.Image}} {{.Config.User}}",
                               container_name(victim.uid)], capture_output=True, text=True, check=True)  # fmt: skip
-    image, user, shm = inspect.stdout.split()
-    assert image == images["trainer"] and user == f"{UID}:{UID}" and int(shm) > 64 * 2**20
-    # `sharded exec` through the API server lands in the pod's own container, as its user, with its env.
+    image, user = inspect.stdout.split()
+    assert image == images["trainer"] and user == f"{UID}:{UID}"
+    # `sharded exec` through the API server lands in the pod's own container, as its user, with its env; its
+    # /dev/shm is the spec's size, owned as the real kubelet leaves a memory-backed emptyDir under an fsGroup.
     env = {**os.environ, "KUBECONFIG": str(stack.cluster.kubeconfig)}
     sharded = f"{Path(sys.executable).parent}/sharded"
-    whoami = subprocess.run([sharded, "exec", name, "--node", "1", "--", "sh", "-c", "id -u; echo $PET_NODE_RANK"],
+    probe = "id -u; echo $PET_NODE_RANK; stat -c '%g %a' /dev/shm; df -k /dev/shm | tail -n 1"
+    whoami = subprocess.run([sharded, "exec", name, "--node", "1", "--", "sh", "-c", probe],
                             capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
-    assert (whoami.returncode, whoami.stdout) == (0, f"{UID}\n1\n"), whoami.stderr
+    uid, rank, shm, df = whoami.stdout.splitlines()
+    assert (whoami.returncode, uid, rank, shm) == (0, str(UID), "1", f"{UID} 3777"), (whoami.stdout, whoami.stderr)
+    assert int(df.split()[1]) * 1024 > 64 * 2**20, df
     stack.agent.crash(victim)  # `docker kill -s KILL`: no checkpoint, no goodbye
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
     assert status["phase"] == "Succeeded", jobs.logs(name)[-30000:]

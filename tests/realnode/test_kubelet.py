@@ -114,7 +114,7 @@ def test_a_training_pod_gets_its_shm_its_restricted_users_and_a_progress_token_b
     script = (
         "echo df $(df -k /dev/shm | tail -n 1); echo mount $(grep ' /dev/shm ' /proc/mounts);"
         " echo uid $(id -u) groups $(id -G);"
-        " grep -E '^(NoNewPrivs|CapEff)' /proc/self/status; echo shmgroup $(stat -c %g /dev/shm);"
+        " grep -E '^(NoNewPrivs|CapEff)' /proc/self/status; echo shm $(stat -c '%u %g %a' /dev/shm);"
         f" echo token $(cat {TOKEN}); echo config $(head -c 200 /etc/sharded/trainer.yaml | tr '\\n' ' ')"
     )
     created = run_probe(node, job, 0, script)
@@ -127,7 +127,7 @@ def test_a_training_pod_gets_its_shm_its_restricted_users_and_a_progress_token_b
     assert lines["mount"][:3] == ["tmpfs", "/dev/shm", "tmpfs"], out  # memory-backed
     uid = str(SETTINGS.pod_uid)
     assert lines["uid"][0] == uid and uid in lines["uid"][2:], out  # runAsUser, and fsGroup among its groups
-    assert lines["shmgroup"] == [uid], out  # the kubelet gives the fsGroup the volumes it owns
+    assert lines["shm"] == ["0", uid, "3777"], out  # the fsGroup's, setgid and sticky: the node agent copies it
     assert lines["NoNewPrivs:"] == ["1"] and lines["CapEff:"] == ["0000000000000000"], out
     assert lines["config"], out  # the trainer config from the operator's ConfigMap
 

@@ -61,7 +61,7 @@ deps:
 # build/suite-times.txt) where the time went, per tier, per module and per expensive fixture, and it refuses
 # to run fewer tests per tier than tests/floor.json.
 test: deps lint
-	@echo "[test] unit, trainer (real torchrun), integration (real control plane), e2e (processes and containers), one soak seed: ~25 min in three lanes"
+	@echo "[test] unit, trainer (real torchrun), integration (real control plane), realnode (the real kubelet), e2e (processes and containers), one soak seed, in three lanes"
 	@SHARDED_BIN_DIR="$$(bash hack/build-binaries.sh 2>/dev/null | tail -n1)" $(PY) hack/suite.py
 
 # The inner loop: lint and the unit tier (no cluster, no torchrun), under a minute warm.

@@ -301,3 +301,22 @@ def test_a_damaged_reference_file_on_the_claim_is_set_aside_and_never_trained_on
     assert path.name == "part-0000000000.npy.damaged" and reason.startswith("unreadable"), reason
     np.save(tmp_path / "logps.npy", np.ones((10, 2)))
     assert objective.sound_reference_files(tmp_path, 10) == (["logps.npy"], [])
+
+
+def test_a_frozen_copy_casts_its_parameters_to_the_compute_dtype_and_keeps_its_buffers(claim):
+    """objective.dpo.reference copy under bf16: every parameter bf16 and frozen, every buffer (the RoPE table)
+    in the dtype a fresh build has, as mixed precision leaves the policy's (a bf16 RoPE table shifts the
+    angles of late positions, and with them every reference log-probability)."""
+    from sharded_trainer.modeling.build import build_network
+    from sharded_trainer.objective import frozen_copy
+
+    root, model = claim
+    cfg = config(root, model).model_copy(update={"precision": "bf16"})
+    fresh = dict(build_network(cfg).module.named_buffers())
+    net, module = frozen_copy(cfg, lambda n: n.module)
+    assert module is net.module and not module.training
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in module.parameters())
+    buffers = dict(module.named_buffers())
+    assert buffers and {k: b.dtype for k, b in buffers.items()} == {k: b.dtype for k, b in fresh.items()}
+    assert any(b.dtype == torch.float32 for b in buffers.values())

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -191,7 +192,9 @@ def sound_reference_files(directory: Path, total: int) -> tuple[list[str], list[
     `*.damaged` and computed again, never trained on (a claim can be written to by hand, or damaged)."""
     sound, aside = [], []
     final = directory / "logps.npy"
-    files = [final] if final.is_file() else sorted(directory.glob("part-*.npy"))
+    # Parts by their exact name: a write cut short leaves `part-N.npy.writing-PID.npy` (_write_aside), not a part.
+    parts = sorted(p for p in directory.glob("part-*.npy") if re.fullmatch(r"part-\d{10}\.npy", p.name))
+    files = [final] if final.is_file() else parts
     for path in files:
         first = 0 if path == final else int(path.stem.split("-")[1])
         want = (total, 2) if path == final else (min(PART_RECORDS, total - first), 2)

@@ -11,8 +11,17 @@
 #                                 plain on one), DDP + peft LoRA r16 on all linear layers
 #   preset hf hf-lora hf-qlora    the trainer, FSDP2: preset model, Hugging Face model, + LoRA r16, + NF4 base
 #   *-zero2 *-compiled            the same under ZeRO-2 / with every block compiled (e.g. hf-lora-zero2-compiled)
+#   *-chat                        chat records instead of synthetic tokens: CHAT_DIR's chat.jsonl, tokenized
+#                                 once with its tokenizer (bench/chat_data.py) and packed
+#   *-flex *-sdpa                 model.huggingface.attention flex_attention / sdpa instead of auto (which
+#                                 picks FlexAttention for packed records on a GPU, SDPA otherwise)
+#   *-auto                        strategy.type auto (the memory model picks the setting, activation
+#                                 checkpointing where it must) instead of FSDP2
+#   peer-lora-gc peer-full-gc     the peer with TrainingArguments(gradient_checkpointing=True)
+#                                 (bench/peer_checkpointing.py), as long sequences need
 # Env: PEER (peer script, default .devwheels/peer_hf_trainer.py), PROCS (GPUs, default 1), BATCH (4),
 # STEPS (30), MODEL_DIR (where the shape's Hugging Face directory is written, default /tmp/llama-SHAPE-hf),
+# CHAT_DIR (default .benchdata/chat), SEQ (sequence length, default 2048),
 # BUDGET_S (default 560: later arms are skipped and named once it is spent).
 set -uo pipefail
 shape="${1:?usage: $0 1b|8b OUT_FILE [ARM...]}"
@@ -24,16 +33,18 @@ arms=("$@")
 peer="${PEER:-.devwheels/peer_hf_trainer.py}"
 procs="${PROCS:-1}"
 batch="${BATCH:-4}"
+seq="${SEQ:-2048}"
 steps="${STEPS:-30}"
 budget="${BUDGET_S:-560}"
 dir="${MODEL_DIR:-/tmp/llama-$shape-hf}"
+chat="$(realpath "${CHAT_DIR:-.benchdata/chat}")"
 log="${out%.*}.log"
 case $shape in
   1b) preset=llama-1b ;;
   8b) preset=llama-8b ;;
   *) echo "shape: 1b or 8b" >&2; exit 2 ;;
 esac
-echo "# $(date -u +%FT%TZ) shape=$shape procs=$procs batch=$batch seq=2048 steps=$steps $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$out"
+echo "# $(date -u +%FT%TZ) shape=$shape procs=$procs batch=$batch seq=$seq steps=$steps $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$out"
 
 arm() {  # arm LABEL COMMAND...: run one arm under the budget, keep its result lines
   local label="$1" start=$SECONDS
@@ -52,10 +63,15 @@ arm() {  # arm LABEL COMMAND...: run one arm under the budget, keep its result l
 }
 
 trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, strategy and compile the label names
-  local label="$1" model strategy=fsdp compile=false lora=""
-  model="{huggingface: {path: $dir}}"
+  local label="$1" model strategy=fsdp compile=false lora="" data="{source: synthetic}" attention=auto
+  [[ $label == *-flex* ]] && attention=flex_attention
+  [[ $label == *-sdpa* ]] && attention=sdpa
+  model="{huggingface: {path: $dir, attention: $attention}}"
+  # The tokenized cache is keyed by the records and the tokenizer: the first chat arm tokenizes, the rest read.
+  [[ $label == *-chat* ]] && data="{source: jsonl, path: $chat/chat.jsonl, tokenizer: $chat/tokenizer, cacheDir: /tmp/hf-pairs-tokenized}"
   [[ $label == preset* ]] && model="{preset: $preset}"
   [[ $label == *zero2* ]] && strategy=zero2
+  [[ $label == *-auto* ]] && strategy=auto
   [[ $label == *compiled* ]] && compile=true
   [[ $label == hf-lora* ]] && lora="lora: {r: 16, alpha: 32}"
   [[ $label == hf-qlora* ]] && lora="lora: {r: 16, alpha: 32, quantizeBase: nf4}"
@@ -64,24 +80,27 @@ trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, stra
   fi
   cat >"/tmp/hf-pairs-$label.yaml" <<YAML
 model: $model
-strategy: {type: $strategy, $strategy: {compile: $compile}}
-data: {source: synthetic}
+strategy: {type: $strategy, fsdp: {compile: $compile}, zero2: {compile: $compile}}
+data: $data
 $lora
 steps: $steps
 microBatchSize: $batch
-seqLen: 2048
+seqLen: $seq
 logEvery: 10
 YAML
   arm "$label" torchrun --standalone --nproc-per-node "$procs" -m sharded_trainer --config "/tmp/hf-pairs-$label.yaml"
 }
 
 for label in "${arms[@]}"; do
+  run=("$peer")
+  [[ $label == peer-*-gc ]] && run=(bench/peer_checkpointing.py "$peer")
   case $label in
-    peer-full)
+    peer-full|peer-full-gc)
       mode=full-ddp
       ((procs > 1)) && mode=full-fsdp
-      arm "$label" torchrun --standalone --nproc-per-node "$procs" "$peer" "$mode" "$batch" 2048 "$shape" ;;
-    peer-lora) arm "$label" torchrun --standalone --nproc-per-node "$procs" "$peer" lora-ddp "$batch" 2048 "$shape" ;;
+      arm "$label" torchrun --standalone --nproc-per-node "$procs" "${run[@]}" "$mode" "$batch" "$seq" "$shape" ;;
+    peer-lora|peer-lora-gc)
+      arm "$label" torchrun --standalone --nproc-per-node "$procs" "${run[@]}" lora-ddp "$batch" "$seq" "$shape" ;;
     *) trainer_arm "$label" ;;
   esac
 done

@@ -28,6 +28,12 @@ class HuggingFaceModel(Model):
     trust_remote_code: bool = Field(
         False, description="Allow model code shipped in the directory (auto_map); only for directories you trust."
     )
+    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = Field(
+        "auto",
+        description="transformers' attention implementation. auto: torch's SDPA where the architecture supports "
+        "it, else transformers' own. flex_attention: torch's FlexAttention, which skips the blocks between "
+        "packed records instead of masking them.",
+    )
 
 
 class ModelConfig(Model):

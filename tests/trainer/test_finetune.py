@@ -21,6 +21,9 @@ pytestmark = pytest.mark.trainer
 CHANCE = math.log(55)  # the test model's vocabulary
 # The Qwen runs (a byte-level BPE tokenizer), and the LoRA settings the exact-resume test stops and resumes.
 QWEN = [("qwen2", "zero2", False), ("qwen3", "fsdp", True)]
+# The QLoRA test's run under FSDP2 (under ZeRO-2 it adds its own settings).
+QLORA = {"lora.r": 8, "lora.alpha": 16, "lora.quantizeBase": "nf4", "steps": 40, "exportOnSuccess": True,
+         "data.evalEvery": 40}  # fmt: skip
 RESUMED_LORA = {"lora.r": 8, "lora.alpha": 16, "steps": 30, "checkpoint.interval": 100, "logEvery": 1,
                 "data.evalFraction": 0.0, "data.evalEvery": None}  # fmt: skip
 
@@ -129,7 +132,7 @@ def test_lora_under_zero2_checkpoints_only_the_adapters_and_exports_them_for_pef
     assert answers_right(plain, AutoTokenizer.from_pretrained(str(merged / "merged"))) >= 36
 
 
-def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_adapters_learn(claim, tmp_path):
+def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_adapters_learn(matrix, claim, tmp_path):
     """lora.quantizeBase nf4 under FSDP2: every frozen linear weight of the decoder is held in NF4, each rank
     quantizing only the rows it keeps (with the whole weight's double-quantization mean), so the weight that
     FSDP2 all-gathers for compute is the whole weight quantized in one piece; the adapters learn the task over
@@ -140,15 +143,12 @@ def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_ad
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    overrides = {"lora.r": 8, "lora.alpha": 16, "lora.quantizeBase": "nf4", "steps": 40, "exportOnSuccess": True,
-                 "data.evalEvery": 40}  # fmt: skip
-    config = finetune_config(tmp_path, claim, "llama", **overrides)
-    run = run_job(tmp_path, config, timeout=600)
-    assert run.returncodes == [0, 0], run.output[-3000:]
+    directory, run = matrix["qlora-fsdp"]
+    config = directory / "trainer.yaml"
     assert run.event("layout")["layout"].endswith("14 NF4 base weights")  # 2 layers x 7 linear
     losses = run.losses()
     assert losses[40] < 0.3 < losses[5], losses
-    saved = dcp.FileSystemReader(str(step_dir(tmp_path / "ckpt", 40))).read_metadata().state_dict_metadata
+    saved = dcp.FileSystemReader(str(step_dir(directory / "ckpt", 40))).read_metadata().state_dict_metadata
     weights = [k for k in saved if k.startswith("model.")]
     assert weights and all(".lora_" in k for k in weights), weights[:5]
 
@@ -177,19 +177,14 @@ def test_qlora_quantizes_the_rows_each_rank_keeps_as_the_whole_weight_and_the_ad
     assert answers_right(original, tokenizer) >= 30
 
     # The adapters resume on one process, which quantizes every weight whole and keeps it out of FSDP2.
-    one = run_job(tmp_path, finetune_config(tmp_path, claim, "llama", **{**overrides, "steps": 50}), nodes=1, procs=1)
+    one = run_job(directory, finetune_config(directory, claim, "llama", **{**QLORA, "steps": 50}), nodes=1, procs=1)
     assert one.returncodes == [0], one.output[-3000:]
     assert one.event("resumed") == {**one.event("resumed"), "step": 40, "from_world": 4, "world": 1}
     assert max(one.losses().values()) < 0.3, one.losses()
 
     # ZeRO-2 (whole weights on every rank): the loaded base quantized in place, the adapters learn, only
-    # they are saved (Gemma: the tied output head stays out too). With activation checkpointing, as strategy
-    # auto picks for QLoRA when memory is short: the blocks are wrapped before the base is quantized.
-    zero2 = tmp_path / "zero2"
-    zero2_overrides = {**overrides, "strategy.type": "zero2", "strategy.zero2.activationCheckpointing": True,
-                       "exportOnSuccess": False, "steps": 60}  # fmt: skip
-    run = run_job(zero2, finetune_config(zero2, claim, "gemma", **zero2_overrides), env={"DS_ACCELERATOR": "cpu"})
-    assert run.returncodes == [0, 0], run.output[-3000:]
+    # they are saved (Gemma: the tied output head stays out too), with activation checkpointing (named_runs).
+    zero2, run = matrix["qlora-zero2"]
     assert run.event("layout")["layout"].endswith("14 NF4 base weights")
     losses = run.losses()
     assert losses[60] < 0.5 < losses[5], losses  # as LoRA's on this model (the ZeRO-2 LoRA test)
@@ -334,7 +329,12 @@ def named_runs() -> dict[str, tuple[str, dict]]:
         "full-fsdp": ("llama", {"exportOnSuccess": True}),
         "lora-zero2": ("gemma", {"strategy.type": "zero2", **lora, "exportOnSuccess": True}),
         "lora-reference": ("mistral", RESUMED_LORA),
-    }
+        "qlora-fsdp": ("llama", QLORA),
+        # With activation checkpointing, as strategy auto picks for QLoRA when memory is short: the blocks are
+        # wrapped before the base is quantized.
+        "qlora-zero2": ("gemma", {**QLORA, "strategy.type": "zero2", "strategy.zero2.activationCheckpointing": True,
+                                  "exportOnSuccess": False, "steps": 60}),
+    }  # fmt: skip
     for arch, strategy, with_lora in QWEN:
         runs[qwen_run(arch, strategy, with_lora)] = (arch, {
             "strategy.type": strategy, "exportOnSuccess": True, "seqLen": 64, "steps": 80, "data.evalEvery": 40,

@@ -298,6 +298,19 @@ def test_a_bad_gpu_memory_limit_fails_before_training_naming_the_variable(monkey
     assert gpu_memory(DistEnv(0, 0, 1, "gloo", torch.device("cpu"))) is None
 
 
+def test_auto_plans_compiled_blocks_only_when_both_strategies_compile():
+    """Compiled blocks keep fewer activations; auto may pick either strategy, so its plan counts them only
+    when the options of both compile (one compiled alone is planned as eager: never short of memory)."""
+    both = {"type": "auto", "fsdp": {"compile": True}, "zero2": {"compile": True}}
+    assert memplan.job_of(auto_config(strategy=both), 8).compile
+    assert not memplan.job_of(auto_config(strategy={"type": "auto", "fsdp": {"compile": True}}), 8).compile
+    # The 8B shape at 8k tokens on 8 GPUs of 80 GiB: compiled, the fastest setting fits; eager it does not.
+    long = {"seqLen": 8192, "microBatchSize": 1}
+    compiled, _ = memplan.settle(auto_config(strategy=both, **long), 8, 80 * GIB)
+    eager, why = memplan.settle(auto_config(**long), 8, 80 * GIB)
+    assert not compiled.strategy.fsdp.reshard_after_forward and eager.strategy.fsdp.reshard_after_forward, why
+
+
 def test_preference_pairs_count_two_rows_per_sample_and_the_reference_pass_its_logits():
     """A DPO micro-batch of B pairs is 2B sequences in one forward pass: the activations of a 2B micro-batch
     of next-token training, the state unchanged; a precomputed reference adds nothing."""

@@ -350,8 +350,11 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
         raise ConfigError(f"model.huggingface.path: {e}") from None
     lora, dpo = cfg.lora, cfg.objective.type == "dpo"
     reference = reference_kind(cfg.objective.dpo_settings, lora is not None) if dpo else None
+    # Compiled blocks keep fewer activations. auto may pick either strategy, so the plan counts them compiled
+    # only when both strategies' options compile: a setting it picks is then never short of memory.
+    compiled = cfg.strategy.fsdp.compile and cfg.strategy.zero2.compile
     return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
-               bool(lora and lora.quantize_base), rows=2 if dpo else 1,
+               bool(lora and lora.quantize_base), compile=compiled, rows=2 if dpo else 1,
                reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy")  # fmt: skip
 
 

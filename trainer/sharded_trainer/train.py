@@ -111,8 +111,9 @@ def token_source(cfg: TrainerConfig, env: DistEnv, vocab_size: int):
     # On the claim one rank of the job builds it; in a node's temporary directory, one rank per node.
     builder = env.rank == 0 if shared else env.local_rank == 0
     if builder and not records.is_ready(directory):
+        began = time.monotonic()
         meta = kind.build_cache(cfg.data, tokenizer, directory)
-        emit({"event": "tokenized", "cache": str(directory), **meta})
+        emit({"event": "tokenized", "cache": str(directory), **meta, "seconds": round(time.monotonic() - began, 1)})
     deadline = time.monotonic() + TOKENIZE_WAIT_SECONDS
     while not records.is_ready(directory):  # a file wait, not a collective: tokenizing may take long
         if time.monotonic() > deadline:
@@ -254,7 +255,8 @@ def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) 
         )  # fmt: skip
 
     if env.is_main:
-        emit({"event": "layout", "strategy": cfg.strategy.type, "layout": strategy.layout})
+        emit({"event": "layout", "strategy": cfg.strategy.type, "layout": strategy.layout,
+              **({"attention": net.attention} if net.attention else {})})  # fmt: skip
     ckpt = CheckpointManager(
         cfg.checkpoint, env, cfg.steps, on_commit=report.checkpoint_committed, on_set_aside=set_aside,
         fingerprint=fingerprint(cfg, net),

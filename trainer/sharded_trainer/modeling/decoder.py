@@ -153,6 +153,7 @@ class Network:
     adapter_only: bool = False
     # The 6·N convention's FLOPs per token (every weight's gradient counted), where they differ from those done.
     flops_per_token_6n: Callable[[int], float] | None = None
+    attention: str | None = None  # a Hugging Face model's attention implementation, as transformers set it
 
     def flops_6n(self, seq_len: int) -> float:
         return (self.flops_per_token_6n or self.flops_per_token)(seq_len)

@@ -12,7 +12,7 @@ import torch
 from sharded_api.loading import load_config
 from sharded_trainer.checkpoint.export import load_model_state
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
-from support.torchrun_jobs import SCRIPTS, run_job, write_config
+from support.torchrun_jobs import SCRIPTS, run_job, run_many, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -25,9 +25,11 @@ def test_hybrid_sharding_trains_as_full_sharding_does_and_its_checkpoints_load_u
     full_dir, hybrid_dir = tmp_path / "full", tmp_path / "hybrid"
     full_cfg = write_config(full_dir, **{"strategy.type": "fsdp"})
     hybrid_cfg = write_config(hybrid_dir, **{"strategy.type": "fsdp", "strategy.fsdp.shard": "hybrid"})
-    full = run_job(full_dir, full_cfg)
-    hybrid = run_job(hybrid_dir, hybrid_cfg)
-    assert full.returncodes == hybrid.returncodes == [0, 0], hybrid.output[-3000:]
+    # The full checkpoint resumed with hybrid sharding, in the same launch once the full run has written it.
+    full_as_hybrid = write_config(tmp_path / "full-as-hybrid", **{
+        "strategy.type": "fsdp", "strategy.fsdp.shard": "hybrid", "steps": 30, "checkpoint.dir": str(full_dir / "ckpt")
+    })  # fmt: skip
+    full, hybrid, resumed = run_many(tmp_path, [full_cfg, hybrid_cfg, full_as_hybrid])
     assert hybrid.event("layout")["layout"].startswith("hybrid: 2 replicas x 2 shards")
     assert full.event("layout")["layout"].startswith("full: 4 shards")
     # Same data, same seed, same optimizer: only the order of the gradient reductions differs.
@@ -37,7 +39,10 @@ def test_hybrid_sharding_trains_as_full_sharding_does_and_its_checkpoints_load_u
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
-    # The hybrid checkpoint resumed with full sharding on one node of 2, and the full one with hybrid.
+    assert resumed.event("resumed")["step"] == 20
+    assert resumed.losses()[21] == pytest.approx(full.losses()[20], rel=0.5)  # continues, no jump back to chance
+
+    # The hybrid checkpoint resumed with full sharding on one node of 2.
     on_one_node = tmp_path / "one-node"
     on_one_node.mkdir()
     shutil.copytree(hybrid_dir / "ckpt", on_one_node / "ckpt")
@@ -45,12 +50,6 @@ def test_hybrid_sharding_trains_as_full_sharding_does_and_its_checkpoints_load_u
     resumed = run_job(on_one_node, cfg, nodes=1)
     assert resumed.returncodes == [0], resumed.output[-3000:]
     assert resumed.event("resumed")["step"] == 20 and committed_steps(on_one_node / "ckpt")[-1] == 30
-
-    cfg = write_config(full_dir, **{"strategy.type": "fsdp", "strategy.fsdp.shard": "hybrid", "steps": 30})
-    resumed = run_job(full_dir, cfg)
-    assert resumed.returncodes == [0, 0], resumed.output[-3000:]
-    assert resumed.event("resumed")["step"] == 20
-    assert resumed.losses()[21] == pytest.approx(full.losses()[20], rel=0.5)  # continues, no jump back to chance
 
 
 def test_every_prefetch_value_sets_a_different_plan(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from sharded_api.config import TrainerConfig
 from sharded_trainer.modeling.decoder import build_model
 from sharded_trainer.process_group import init_distributed, shutdown
@@ -16,7 +18,9 @@ plans = {}
 for prefetch in range(5):
     cfg = TrainerConfig.model_validate({"model": {"preset": "llama-125m", "vocabSize": 256}, "precision": "fp32",
                                         "strategy": {"fsdp": {"prefetch": prefetch}}})  # fmt: skip
-    model = apply_fsdp(build_model(cfg), mesh=None, options=cfg.strategy.fsdp, param_dtype=DTYPES["fp32"])
+    with torch.device("meta"):  # the plan needs the blocks, not their weights
+        model = build_model(cfg)
+    model = apply_fsdp(model, mesh=None, options=cfg.strategy.fsdp, param_dtype=DTYPES["fp32"])
     blocks = [m for m in model.modules() if m is not model and hasattr(m, "set_modules_to_forward_prefetch")]
     states = [b._get_fsdp_state() for b in blocks]
     plans[prefetch] = {

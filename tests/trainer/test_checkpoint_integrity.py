@@ -13,7 +13,7 @@ import pytest
 from sharded_api.contract import CORRUPT_INFIX, MARKER, TRAINER_STATE
 from sharded_trainer.checkpoint.durability import checksum, rng_file
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
-from support.torchrun_jobs import SCRIPTS, run_job, write_config
+from support.torchrun_jobs import SCRIPTS, run_job, run_many, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -23,13 +23,20 @@ def shard(directory, strategy: str, rank: int):
     return sorted(directory.glob(pattern))[0]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Six checkpoints of each strategy, both runs in one launch."""
+    tmp = tmp_path_factory.mktemp("six")
+    configs = {s: write_config(tmp / s, **{"strategy.type": s, "steps": 60, "checkpoint.keepLast": 10})
+               for s in ("fsdp", "zero2")}  # fmt: skip
+    run_many(tmp, list(configs.values()))
+    return configs
+
+
 @pytest.fixture(scope="module", params=["fsdp", "zero2"])
-def six(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"six-{request.param}")
-    config = write_config(tmp, **{"strategy.type": request.param, "steps": 60, "checkpoint.keepLast": 10})
-    run = run_job(tmp, config)
-    assert run.returncodes == [0, 0], run.output[-3000:]
-    return request.param, tmp, config
+def six(request, trained):
+    config = trained[request.param]
+    return request.param, config.parent, config
 
 
 def test_the_marker_lists_every_file_with_its_size_and_checksum(six):

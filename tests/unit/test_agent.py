@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sharded_api.contract import PodEnv
-from sharded_trainer.agent import WORKER, torchrun_args
+from sharded_trainer.agent import HF_PRELOAD, PRELOAD, WORKER, preload, torchrun_args
 
 TRAINER = ["-m", "sharded_trainer", "--config", "/etc/sharded/trainer.yaml"]
 
@@ -27,3 +27,27 @@ def test_an_unknown_start_method_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv(PodEnv.WORKER_START, "fork")  # forking torchrun's threaded agent is unsafe
     with pytest.raises(ValueError, match="SHARDED_WORKER_START must be forkserver or spawn, not 'fork'"):
         torchrun_args(TRAINER)
+
+
+def test_the_server_preloads_transformers_and_peft_only_for_a_job_that_uses_them(tmp_path):
+    """A Hugging Face job's workers import transformers (and peft with LoRA) on the way to their first step:
+    the server imports them once instead; a preset job's server does not pay for modules it never uses."""
+    preset, hf, lora = tmp_path / "preset.yaml", tmp_path / "hf.yaml", tmp_path / "lora.json"
+    preset.write_text("model: {preset: tiny}\n")
+    hf.write_text("model:\n  huggingface: {path: /models/m}\n")
+    lora.write_text('{"model": {"huggingface": {"path": "/models/m"}}, "lora": {"r": 8}}')  # JSON is YAML
+    assert preload(["--nnodes=1", WORKER, "--config", str(preset)]) == PRELOAD
+    assert preload([WORKER, "--config", str(hf)]) == [*PRELOAD, *HF_PRELOAD]
+    assert preload([WORKER, f"--config={lora}"]) == [*PRELOAD, *HF_PRELOAD, "peft"]
+
+
+@pytest.mark.parametrize("body", [None, b"\xff\xfe", "model: [unclosed", "- a list", "model: 3"])
+def test_a_config_the_server_cannot_read_only_means_no_extra_imports(tmp_path, body):
+    """The worker reports a missing or broken config (naming it); the server only preloads the defaults."""
+    path = tmp_path / "trainer.yaml"
+    if isinstance(body, bytes):
+        path.write_bytes(body)
+    elif body is not None:
+        path.write_text(body)
+    assert preload([WORKER, "--config", str(path)]) == PRELOAD
+    assert preload([WORKER]) == PRELOAD

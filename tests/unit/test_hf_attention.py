@@ -7,7 +7,7 @@ import pytest
 
 from sharded_api.config import TrainerConfig
 from sharded_api.loading import ConfigError
-from sharded_trainer.modeling.hf import attention_for
+from sharded_trainer.modeling.attention import attention_for
 from tinyhf import model_config
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The trainer's workers forked by the agent's preloading server on a GPU (sharded_trainer.agent): a Hugging Face
-# LoRA job, whose server preloads transformers and peft, must train on CUDA in its forked workers (the server
-# must not have touched CUDA, whose context does not survive a fork). Prints the step lines and the exit code.
+# LoRA job must train on CUDA in its forked workers (the server must not have touched CUDA, whose driver state
+# does not survive a fork; on a GPU node it leaves transformers, which probes CUDA, to the workers). Prints the
+# step lines and the exit code.
 #   bash bench/agent_check.sh MODEL_DIR [PROCS]
 set -uo pipefail
 dir="${1:?usage: $0 MODEL_DIR [PROCS]}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sharded_api.contract import PodEnv
+from sharded_trainer import agent
 from sharded_trainer.agent import HF_PRELOAD, PRELOAD, WORKER, preload, torchrun_args
 
 TRAINER = ["-m", "sharded_trainer", "--config", "/etc/sharded/trainer.yaml"]
@@ -29,9 +30,12 @@ def test_an_unknown_start_method_is_refused_naming_the_variable(monkeypatch):
         torchrun_args(TRAINER)
 
 
-def test_the_server_preloads_transformers_and_peft_only_for_a_job_that_uses_them(tmp_path):
+def test_the_server_preloads_transformers_and_peft_only_for_a_job_that_uses_them(tmp_path, monkeypatch):
     """A Hugging Face job's workers import transformers (and peft with LoRA) on the way to their first step:
-    the server imports them once instead; a preset job's server does not pay for modules it never uses."""
+    on a node without GPUs the server imports them once instead; a preset job's server does not pay for
+    modules it never uses. On a GPU node it never does: importing them probes CUDA, which the forked workers
+    could then not use."""
+    monkeypatch.setattr(agent, "GPU_DEVICES", (str(tmp_path / "nvidiactl"),))
     preset, hf, lora = tmp_path / "preset.yaml", tmp_path / "hf.yaml", tmp_path / "lora.json"
     preset.write_text("model: {preset: tiny}\n")
     hf.write_text("model:\n  huggingface: {path: /models/m}\n")
@@ -39,6 +43,8 @@ def test_the_server_preloads_transformers_and_peft_only_for_a_job_that_uses_them
     assert preload(["--nnodes=1", WORKER, "--config", str(preset)]) == PRELOAD
     assert preload([WORKER, "--config", str(hf)]) == [*PRELOAD, *HF_PRELOAD]
     assert preload([WORKER, f"--config={lora}"]) == [*PRELOAD, *HF_PRELOAD, "peft"]
+    (tmp_path / "nvidiactl").touch()  # a GPU node
+    assert preload([WORKER, f"--config={lora}"]) == PRELOAD
 
 
 @pytest.mark.parametrize("body", [None, b"\xff\xfe", "model: [unclosed", "- a list", "model: 3"])

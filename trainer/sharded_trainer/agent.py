@@ -41,14 +41,19 @@ PRELOAD = [
 ]
 
 # What a worker also imports when it trains a Hugging Face model (about 1.5 s of CPU each, peft's most of
-# it): preloaded only for such a job, which a preset job would pay for and never use.
+# it): preloaded only for such a job, which a preset job would pay for and never use, and only on a node
+# without GPUs. Importing transformers probes CUDA (torchao's import asks torch.cuda.is_available(), which
+# initializes the driver), and a driver initialized before the fork does not work in the forked workers.
 HF_PRELOAD = ["transformers", "sharded_trainer.modeling.hf"]
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and AMD's, present wherever a GPU is mounted
 
 
 def preload(args: list[str]) -> list[str]:
     """The modules the server imports for the job whose trainer config `args` names (`--config FILE`)."""
     import yaml
 
+    if any(Path(device).exists() for device in GPU_DEVICES):
+        return PRELOAD
     path = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), None)
     if path is None and "--config" in args[:-1]:
         path = args[args.index("--config") + 1]

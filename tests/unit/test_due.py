@@ -101,6 +101,16 @@ def test_a_pod_stuck_terminating_on_a_lost_node_is_forced_out_when_its_grace_end
     assert abs((check(job, obs) - NOW).total_seconds() - 20) < 1
 
 
+def test_a_pod_left_terminating_by_a_deleted_node_is_forced_out_when_its_grace_ends():
+    """A deleted node is lost at once, and no kubelet will confirm its pods gone: the next look is when their
+    grace ends (nothing else may happen before it; the pod garbage collector waits 40 s and more)."""
+    gone = [dataclasses.replace(p, deleting=True, grace_ends=ago(-3)) for p in pods()]
+    obs = Observed(pods=gone, nodes={"node-0": NodeView(True)})  # node-1 is gone
+    job = running(phase="Restarting", attempt=2)
+    assert abs((check(job, obs) - NOW).total_seconds() - 3) < 1
+    assert next_due(job.model(), job.model().status, dataclasses.replace(obs, nodes=None), NOW) is None  # unseen
+
+
 @pytest.mark.parametrize("builder,obs", [
     (running(), Observed(pods=pods())),  # no timeouts set: only events can change anything
     (make_job().nodes(2).status(attempt=1, phase="Succeeded", completionTime=ago(10)), Observed(pods=[])),  # no TTL

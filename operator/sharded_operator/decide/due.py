@@ -53,10 +53,11 @@ def next_due(job: ShardedTrainingJob, status: ShardedTrainingJobStatus, obs: Obs
                 after(pod.stuck_since, fp.scheduling_timeout_seconds)
     # Lost nodes matter in every phase: a finished job's pods stuck on one are forced out too.
     pods = [*obs.pods, *([obs.store] if obs.store else [])]
-    for name in {p.node for p in pods if p.node}:
-        view = (obs.nodes or {}).get(name)
-        if view is not None and not view.ready:
-            after(view.since, fp.node_lost_seconds)
+    for name in {p.node for p in pods if p.node} if obs.nodes is not None else ():
+        view = obs.nodes.get(name)
+        if view is None or not view.ready:  # a deleted node is lost at once; one not Ready, after a while
+            if view is not None:
+                after(view.since, fp.node_lost_seconds)
             times += [parse_iso(p.grace_ends) for p in pods if p.node == name and p.deleting]
     future = [t for t in times if t is not None and t > now]
     return min(future) + DUE_MARGIN if future else None

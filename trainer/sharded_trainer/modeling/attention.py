@@ -14,8 +14,8 @@ def attention_for(cfg: TrainerConfig, config, *, cuda: bool) -> str | None:
     that restart, and transformers then gives SDPA an explicit block-diagonal mask, which rules out its flash
     kernel: on the 1.24B shape at seq 2048 that cost 10% of the step, FlexAttention's block mask (which also
     skips the blocks between records) under 1% (docs/benchmarks.md, data pipeline). Without packing the plain
-    causal mask keeps SDPA's flash kernel, faster than FlexAttention's; on a CPU FlexAttention is compiled
-    by inductor at every start, which costs more than the mask saves.
+    causal mask keeps SDPA's flash kernel, faster than FlexAttention's; on a CPU FlexAttention has no
+    backward at all.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

@@ -100,9 +100,18 @@ def ran(junit: Path) -> list[str]:
     return [f"{c.get('classname')}::{c.get('name')}" for c in ET.parse(junit).getroot().iter("testcase")]
 
 
+def busy_cpu_seconds() -> float:
+    """The whole machine's busy CPU time so far (every core's, from /proc/stat): with the lanes side by
+    side, the suite's length is this divided by the cores, whatever the lanes' order."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def main(extra: list[str]) -> int:
     BUILD.mkdir(exist_ok=True)
-    started = time.monotonic()
+    started, busy = time.monotonic(), busy_cpu_seconds()
     want = collected()
     print(f"[suite] {want} tests collected (at or above tests/floor.json); {len(LANES)} lanes: "
           + "; ".join(f"{n}: {' '.join(p)}" for n, p in LANES.items()), flush=True)  # fmt: skip
@@ -122,10 +131,13 @@ def main(extra: list[str]) -> int:
     codes = {name: p.wait() for name, p in procs.items()}
     for t in threads:
         t.join()
-    wall = time.monotonic() - started
+    wall, busy = time.monotonic() - started, busy_cpu_seconds() - busy
     tables = [f"== {name}: {' '.join(LANES[name])}\n" + (BUILD / f"suite-times-{name}.txt").read_text()
               for name in LANES if (BUILD / f"suite-times-{name}.txt").exists()]  # fmt: skip
-    head = f"suite wall time {wall / 60:.1f} min in {len(LANES)} lanes\n"
+    head = (
+        f"suite wall time {wall / 60:.1f} min in {len(LANES)} lanes; the machine busy {busy:.0f} CPU-s "
+        f"of {wall * (os.cpu_count() or 1):.0f} ({os.cpu_count()} cores)\n"
+    )
     (BUILD / "suite-times.txt").write_text(head + "\n".join(tables))
     print("\n[suite] time table (build/suite-times.txt):\n" + (BUILD / "suite-times.txt").read_text())
     n = {"passed": 0, "failures": 0, "errors": 0, "skipped": 0, "tests": 0}

@@ -3,7 +3,10 @@
 A pytest plugin loaded by tests/conftest.py. At the end of every run it prints (and writes to
 `--suite-times FILE`) a table of wall time per tier (the folder under tests/), per module, and per
 expensive fixture set-up (control-plane starts, operator starts, torchrun launches, image builds), so
-anyone sees where the minutes are without reading 1,000 `--durations` lines.
+anyone sees where the minutes are without reading 1,000 `--durations` lines. Next to each tier's and
+module's wall time stands the CPU time its tests cost the machine: the suite runs its lanes side by side
+on few cores, so a test's wall time says more about its neighbours than about itself, while its CPU
+time is what a cut would give back.
 
 With `--test-floor FILE` (passed by `make test`) it also refuses a collection that proves less than the
 recorded floor: the number of collected tests and of test functions per tier may not fall below the
@@ -14,6 +17,8 @@ from the current collection (only upwards: a floor never goes down by itself).
 from __future__ import annotations
 
 import json
+import os
+import resource
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +29,46 @@ TESTS = Path(__file__).resolve().parent.parent
 
 # Set-up times below this are noise (a tmp_path, a namespace); the table names only what costs.
 _FIXTURE_FLOOR_S = 2.0
+
+
+def _ticks(stat: str) -> int:
+    """utime + stime + cutime + cstime of one /proc/PID/stat line (fields 14-17, after the command)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15])
+
+
+def tree_cpu_seconds(root: int | None = None) -> float:
+    """CPU seconds spent so far by this process and every process under it: the reaped ones through
+    their parents' children totals (this process's, and the live descendants' cutime/cstime), the live
+    ones from /proc. A descendant orphaned before it ends (re-parented away) is lost, as is what runs in
+    containers under dockerd; both are small next to torchrun's workers and the control planes."""
+    root = os.getpid() if root is None else root
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone between the listing and the read
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        ticks[pid] = _ticks(stat)
+    below, frontier = set(), [root]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in below:
+                below.add(child)
+                frontier.append(child)
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    hz = os.sysconf("SC_CLK_TCK")
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + sum(ticks[p] for p in below) / hz
 
 
 def _tier(nodeid: str) -> str:
@@ -47,6 +92,10 @@ class SuiteClock:
         self.started = time.monotonic()
         self.by_tier: dict[str, float] = defaultdict(float)
         self.by_module: dict[str, float] = defaultdict(float)
+        self.cpu_by_tier: dict[str, float] = defaultdict(float)
+        self.cpu_by_module: dict[str, float] = defaultdict(float)
+        self.cpu_by_test: dict[str, float] = {}
+        self.cpu_started = tree_cpu_seconds()
         self.tests_by_tier: dict[str, int] = defaultdict(int)
         self.fixtures: dict[str, list[float]] = defaultdict(list)
         self.outcomes: dict[str, int] = defaultdict(int)
@@ -86,6 +135,16 @@ class SuiteClock:
             name = fixturedef.argname + (f"[{param}]" if isinstance(param, str | int) else "")
             self.fixtures[name].append(took)
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        # Set-up, call and tear-down together: a session fixture's start is charged to its first test.
+        before = tree_cpu_seconds()
+        yield
+        spent = tree_cpu_seconds() - before
+        self.cpu_by_tier[_tier(item.nodeid)] += spent
+        self.cpu_by_module[item.nodeid.split("::")[0]] += spent
+        self.cpu_by_test[item.nodeid] = spent
+
     def pytest_runtest_logreport(self, report):
         tier = _tier(report.nodeid)
         self.by_tier[tier] += report.duration
@@ -96,12 +155,18 @@ class SuiteClock:
 
     def table(self) -> str:
         wall = time.monotonic() - self.started
-        lines = [f"suite wall time {wall / 60:.1f} min; time inside tests (set-up, call, tear-down) by tier:"]
+        cpu = tree_cpu_seconds() - self.cpu_started
+        lines = [f"suite wall time {wall / 60:.1f} min, {cpu:.0f} CPU-s of this lane's processes; "
+                 "inside tests (set-up, call, tear-down) by tier, wall and CPU:"]  # fmt: skip
         for tier, secs in sorted(self.by_tier.items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {tier:<14} {secs / 60:6.1f} min  {self.tests_by_tier[tier]:5d} tests")
-        lines.append("slowest modules:")
+            lines.append(f"  {tier:<14} {secs / 60:6.1f} min {self.cpu_by_tier[tier]:7.0f} CPU-s"
+                         f"  {self.tests_by_tier[tier]:5d} tests")  # fmt: skip
+        lines.append("slowest modules (wall, CPU):")
         for mod, secs in sorted(self.by_module.items(), key=lambda kv: -kv[1])[:15]:
-            lines.append(f"  {secs / 60:6.1f} min  {mod}")
+            lines.append(f"  {secs / 60:6.1f} min {self.cpu_by_module[mod]:7.0f} CPU-s  {mod}")
+        lines.append("costliest tests in CPU:")
+        for test, secs in sorted(self.cpu_by_test.items(), key=lambda kv: -kv[1])[:20]:
+            lines.append(f"  {secs:7.1f} CPU-s  {test}")
         lines.append(f"fixture set-ups over {_FIXTURE_FLOOR_S:.0f} s (count x mean = total):")
         for name, times in sorted(self.fixtures.items(), key=lambda kv: -sum(kv[1]))[:25]:
             lines.append(f"  {len(times):3d} x {sum(times) / len(times):6.1f} s = {sum(times) / 60:5.1f} min  {name}")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
-from support.suite_clock import collected_counts, floor_shortfalls
+from support.suite_clock import collected_counts, floor_shortfalls, tree_cpu_seconds
 
 
 def _items(*nodeids):
@@ -53,3 +56,26 @@ def test_the_suite_names_each_failed_test_with_the_first_line_of_why(tmp_path):
         "tests.e2e.t::test_e [error] boom",
     ]
     assert suite.totals(junit) == {"tests": 3, "failures": 1, "errors": 1, "skipped": 0, "passed": 1}
+
+
+def test_cpu_of_the_process_tree_counts_reaped_grandchildren_and_live_childrens_reaped_ones(tmp_path):
+    # A grandchild that burns CPU and is reaped by its own parent, once with that parent reaped too and once
+    # with it still alive: both must land in the tree's total, or the time table would miss torchrun's workers.
+    burn = tmp_path / "burn.py"
+    burn.write_text("import time\nwhile time.process_time() < 0.3:\n    pass\n")
+    spawn = f"import subprocess, sys, time; subprocess.run([sys.executable, {str(burn)!r}]); time.sleep(%s)"
+    before = tree_cpu_seconds()
+    subprocess.run([sys.executable, "-c", spawn % 0], check=True)
+    reaped = tree_cpu_seconds()
+    live = subprocess.Popen([sys.executable, "-c", spawn % 30])
+    try:
+        deadline = time.monotonic() + 20
+        while tree_cpu_seconds() - reaped < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = tree_cpu_seconds()
+        assert live.poll() is None
+    finally:
+        live.kill()
+        live.wait()
+    assert reaped - before >= 0.3
+    assert alive - reaped >= 0.3

@@ -65,8 +65,11 @@ def parse(txt: Path) -> dict[str, dict]:
     return arms
 
 
-def peer_of(label: str) -> str:
-    return "peer-lora" if "lora" in label else "peer-full"
+def peer_of(label: str, arms: dict) -> str:
+    """The peer an arm is compared with: the same kind of training, and the peer with gradient checkpointing
+    where the run has only that one (long sequences)."""
+    kind = "peer-lora" if "lora" in label else "peer-full"
+    return kind if kind in arms else kind + "-gc"
 
 
 def table(name: str, arms: dict[str, dict]) -> list[str]:
@@ -74,13 +77,15 @@ def table(name: str, arms: dict[str, dict]) -> list[str]:
             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for label, a in arms.items():
         if label.startswith("peer"):
-            ours = arms.get("hf-lora" if label == "peer-lora" else "hf")
+            ours = arms.get("hf-lora" if label.startswith("peer-lora") else "hf") or next(
+                (a for k, a in arms.items() if k.startswith("hf-lora" if "lora" in label else "hf")), None
+            )
             mfu = f"{a['tok_s'] * ours['mfu_per_tok']:.1%}" if ours else "-"
             rows.append(
                 f"| {label} (Hugging Face Trainer) | {a['tok_s']:,} | median step | {mfu} | {a['peak']} | 1.00 | - |"
             )
             continue
-        peer = arms.get(peer_of(label))
+        peer = arms.get(peer_of(label, arms))
         preset = arms.get(label.replace("hf", "preset", 1)) if label.startswith("hf-") or label == "hf" else None
         vs_peer = f"**{a['tok_s'] / peer['tok_s']:.2f}**" if peer and not label.startswith("preset") else "-"
         vs_preset = f"{a['tok_s'] / preset['tok_s']:.3f}" if preset else "-"

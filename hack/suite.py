@@ -28,6 +28,7 @@ build/suite-times.txt and the totals are printed as one closing line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -109,13 +110,35 @@ def busy_cpu_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+
+
+def cpu_cgroup(name: str) -> Path | None:
+    """A cpuacct cgroup for one lane (cgroup v1's accounting-only hierarchy: it throttles nothing), so the time
+    table charges each test every process its lane started, orphans included; None where there is no such
+    hierarchy or no right to make one (the table then counts the lane's process tree)."""
+    group = CPUACCT / f"sharded-suite-{name}-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError:
+        return None
+    return group
+
+
+def _join(group: Path | None):
+    """preexec_fn: the lane's pytest enters its cgroup before it starts anything."""
+    if group is None:
+        return None
+    return lambda: (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
 def main(extra: list[str]) -> int:
     BUILD.mkdir(exist_ok=True)
     started, busy = time.monotonic(), busy_cpu_seconds()
     want = collected()
     print(f"[suite] {want} tests collected (at or above tests/floor.json); {len(LANES)} lanes: "
           + "; ".join(f"{n}: {' '.join(p)}" for n, p in LANES.items()), flush=True)  # fmt: skip
-    procs, threads = {}, []
+    procs, threads, groups = {}, [], {}
     for name, paths in LANES.items():
         # A lane that dies before writing its results must not be read as the last run's.
         for stale in (BUILD / f"junit-{name}.xml", BUILD / f"suite-times-{name}.txt"):
@@ -124,11 +147,17 @@ def main(extra: list[str]) -> int:
         args = _pytest("-v", "--durations=25", f"--basetemp={Path(tempfile.gettempdir()) / ('sharded-' + name)}",
                        f"--junitxml={BUILD / ('junit-' + name + '.xml')}",
                        f"--suite-times={BUILD / ('suite-times-' + name + '.txt')}", *paths, *extra)  # fmt: skip
+        group = groups[name] = cpu_cgroup(name)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"SHARDED_SUITE_CPU_CGROUP": str(group)} if group else {})}
         procs[name] = p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                           text=True, env=env, preexec_fn=_join(group))  # fmt: skip
         threads.append(threading.Thread(target=_stream, args=(name, p, BUILD / f"{name}.log"), daemon=True))
         threads[-1].start()
     codes = {name: p.wait() for name, p in procs.items()}
+    for group in filter(None, groups.values()):
+        # A process the lane left behind keeps its group; it goes with the machine.
+        with contextlib.suppress(OSError):
+            group.rmdir()
     for t in threads:
         t.join()
     wall, busy = time.monotonic() - started, busy_cpu_seconds() - busy

@@ -7,7 +7,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from support.suite_clock import collected_counts, floor_shortfalls, tree_cpu_seconds
+from support.suite_clock import CPU_CGROUP_ENV, collected_counts, cpu_seconds, floor_shortfalls, tree_cpu_seconds
 
 
 def _items(*nodeids):
@@ -79,3 +79,16 @@ def test_cpu_of_the_process_tree_counts_reaped_grandchildren_and_live_childrens_
         live.wait()
     assert reaped - before >= 0.3
     assert alive - reaped >= 0.3
+
+
+def test_a_lanes_cgroup_is_read_when_named_and_the_process_tree_when_it_cannot_be(tmp_path, monkeypatch):
+    (tmp_path / "cpuacct.usage").write_text("12500000000\n")  # nanoseconds, as cgroup v1's cpuacct writes them
+    monkeypatch.setenv(CPU_CGROUP_ENV, str(tmp_path))
+    assert cpu_seconds() == 12.5
+    for unreadable in ("garbage", None):  # then this process's own tree
+        if unreadable:
+            (tmp_path / "cpuacct.usage").write_text(unreadable)
+        else:
+            monkeypatch.setenv(CPU_CGROUP_ENV, str(tmp_path / "gone"))
+        before = tree_cpu_seconds()
+        assert before <= cpu_seconds() <= tree_cpu_seconds()

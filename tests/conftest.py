@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # every compiled run. Trusting cpuinfo skips the base probes (the same kernels come out on this machine);
 # set here, before anything imports torch, so the test process and every process it starts inherit it.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+# One intra-op thread in the test process and whatever it starts that does not choose for itself (torchrun
+# already gives each of several workers one): the lanes share two cores, so a second thread only spins on
+# the tiny models here. Measured: 40 greedy answers of a tiny model took 4-7 CPU-seconds with two threads,
+# 1.1 with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The per-tier time table printed at the end of every run, and the floor under the collected tests.
 pytest_plugins = ["support.suite_clock"]

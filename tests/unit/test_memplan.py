@@ -14,8 +14,9 @@ import auto_check
 import pytest
 from memplan_check import held_out_runs, result
 
+from sharded_api.loading import ConfigError
 from sharded_api.quantity import memory_bytes
-from sharded_trainer import memplan
+from sharded_trainer import autoplan, memplan
 from sharded_trainer.memplan import GIB, Job, Setting, estimate, load_shape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,21 +176,21 @@ def auto_config(**changes):
 
 def test_auto_settles_on_the_fastest_setting_that_fits_and_keeps_the_other_options():
     cfg = auto_config(strategy={"type": "auto", "fsdp": {"compile": True, "prefetch": 2}})
-    settled, why = memplan.settle(cfg, 2, 80 * GIB)
+    settled, why = autoplan.settle(cfg, 2, 80 * GIB)
     assert settled.strategy.type == "fsdp" and settled.strategy.fsdp.activation_checkpointing
     assert settled.strategy.fsdp.compile and settled.strategy.fsdp.prefetch == 2  # the user's, untouched
     assert why.startswith("auto: fsdp+activationCheckpointing") and "fsdp would need 101.4" in why
-    settled, why = memplan.settle(cfg, 64, 80 * GIB)
+    settled, why = autoplan.settle(cfg, 64, 80 * GIB)
     assert settled.strategy.type == "fsdp" and not settled.strategy.fsdp.reshard_after_forward
     assert "would need" not in why
 
 
 def test_auto_keeps_the_strategy_of_the_checkpoint_and_zero2_for_fp16():
-    settled, why = memplan.settle(auto_config(), 64, 80 * GIB, kept="zero2")
+    settled, why = autoplan.settle(auto_config(), 64, 80 * GIB, kept="zero2")
     assert settled.strategy.type == "zero2" and "the newest checkpoint is zero2's" in why
-    settled, _ = memplan.settle(auto_config(precision="fp16"), 64, 80 * GIB)
+    settled, _ = autoplan.settle(auto_config(precision="fp16"), 64, 80 * GIB)
     assert settled.strategy.type == "zero2"
-    settled, why = memplan.settle(auto_config(), 2, None)
+    settled, why = autoplan.settle(auto_config(), 2, None)
     assert settled.strategy.type == "fsdp" and "no GPU" in why
 
 
@@ -198,7 +199,7 @@ def test_auto_refuses_before_training_when_nothing_fits():
 
     fits = r"no setting fits in 20.6 GiB \(90% of the GPU's 24 GiB less 1 GiB\) at microBatchSize 64"
     with pytest.raises(ConfigError, match=fits):
-        memplan.settle(auto_config(microBatchSize=64), 1, 24 * GIB)
+        autoplan.settle(auto_config(microBatchSize=64), 1, 24 * GIB)
 
 
 @pytest.mark.parametrize(
@@ -228,7 +229,7 @@ def refused(directory, content: str, error: type, message: str, auto_says: str) 
     assert message in str(e.value)
     cfg = auto_config(model={"huggingface": {"path": str(directory)}, "preset": None})
     with pytest.raises(ConfigError, match=auto_says):
-        memplan.settle(cfg, 2, 80 * GIB)
+        autoplan.settle(cfg, 2, 80 * GIB)
 
 
 @pytest.mark.parametrize(
@@ -302,12 +303,12 @@ def test_auto_plans_compiled_blocks_only_when_both_strategies_compile():
     """Compiled blocks keep fewer activations; auto may pick either strategy, so its plan counts them only
     when the options of both compile (one compiled alone is planned as eager: never short of memory)."""
     both = {"type": "auto", "fsdp": {"compile": True}, "zero2": {"compile": True}}
-    assert memplan.job_of(auto_config(strategy=both), 8).compile
-    assert not memplan.job_of(auto_config(strategy={"type": "auto", "fsdp": {"compile": True}}), 8).compile
+    assert autoplan.job_of(auto_config(strategy=both), 8).compile
+    assert not autoplan.job_of(auto_config(strategy={"type": "auto", "fsdp": {"compile": True}}), 8).compile
     # The 8B shape at 8k tokens on 8 GPUs of 80 GiB: compiled, the fastest setting fits; eager it does not.
     long = {"seqLen": 8192, "microBatchSize": 1}
-    compiled, _ = memplan.settle(auto_config(strategy=both, **long), 8, 80 * GIB)
-    eager, why = memplan.settle(auto_config(**long), 8, 80 * GIB)
+    compiled, _ = autoplan.settle(auto_config(strategy=both, **long), 8, 80 * GIB)
+    eager, why = autoplan.settle(auto_config(**long), 8, 80 * GIB)
     assert not compiled.strategy.fsdp.reshard_after_forward and eager.strategy.fsdp.reshard_after_forward, why
 
 
@@ -325,8 +326,8 @@ def test_preference_pairs_count_two_rows_per_sample_and_the_reference_pass_its_l
     live = estimate(Job(shape, 8, 2, 2048, lora_r=16, rows=2, reference_forward=True), setting)
     assert live.transient - pairs.transient == 2 * 2 * 2048 * shape.vocab * memplan.REFERENCE_LOGIT_BYTES
     records = {"data": {"source": "jsonl", "path": "/p.jsonl", "tokenizer": "/t"}}
-    full = memplan.job_of(auto_config(objective={"type": "dpo"}, **records), 8)
-    assert (full.rows, full.reference_forward) == (2, False) and memplan.job_of(auto_config(), 8).rows == 1
+    full = autoplan.job_of(auto_config(objective={"type": "dpo"}, **records), 8)
+    assert (full.rows, full.reference_forward) == (2, False) and autoplan.job_of(auto_config(), 8).rows == 1
 
 
 def test_a_frozen_reference_copy_adds_its_bf16_parameters_sharded_as_the_policy_and_its_logits():
@@ -335,8 +336,8 @@ def test_a_frozen_reference_copy_adds_its_bf16_parameters_sharded_as_the_policy_
     and a forward pass whose logits add to the peak as the adapters-off pass's do; auto's plan counts it."""
     shape = load_shape("llama-8b")  # auto_config's model
     records = {"data": {"source": "jsonl", "path": "/p.jsonl", "tokenizer": "/t"}}
-    copy = memplan.job_of(auto_config(objective={"type": "dpo", "dpo": {"reference": "copy"}}, **records), 8)
-    precomputed = memplan.job_of(auto_config(objective={"type": "dpo"}, **records), 8)
+    copy = autoplan.job_of(auto_config(objective={"type": "dpo", "dpo": {"reference": "copy"}}, **records), 8)
+    precomputed = autoplan.job_of(auto_config(objective={"type": "dpo"}, **records), 8)
     assert (copy.reference_copy, copy.reference_forward) == (True, True)
     assert (precomputed.reference_copy, precomputed.reference_forward) == (False, False)
     for setting, share in [(Setting("fsdp"), 2 * shape.params / 8), (Setting("zero2"), 2 * shape.params),
@@ -351,3 +352,54 @@ def test_a_frozen_reference_copy_adds_its_bf16_parameters_sharded_as_the_policy_
     gpu = (budget + memplan.HEADROOM) / memplan.MARGIN
     assert memplan.plan(precomputed, gpu)[1].setting == memplan.SETTINGS[0]
     assert memplan.plan(copy, gpu)[1].setting != memplan.SETTINGS[0]
+
+
+def test_offloading_counts_the_state_it_moves_to_the_host_and_auto_refuses_what_the_host_cannot_hold():
+    """Held out on an H200 host of 128 GiB: a 7.6B full fine-tune under auto at 80Gi chose ZeRO-2 with the
+    optimizer on the CPU and was SIGKILLed by the host. Offloaded, the fp32 master, moments and gradient
+    partition (16 bytes per trained parameter) live in host memory; auto must count them."""
+    shape = load_shape("llama-8b")
+    job = Job(shape, 1, 1, 2048)
+    offload = estimate(job, Setting("zero2", checkpointing=True, offload=True))
+    assert offload.host == pytest.approx(memplan.HOST_BASE + 16 * shape.params, rel=1e-9)
+    assert estimate(job, Setting("fsdp", checkpointing=True)).host == memplan.HOST_BASE  # nothing offloaded
+    lora = estimate(Job(shape, 1, 1, 2048, lora_r=16), Setting("zero2", checkpointing=True, offload=True))
+    assert lora.host < memplan.HOST_BASE + 1 * GIB  # only the adapters' state moves
+    # On the GPU alone the offloading settings fit; with the host's 128 GiB per process they do not.
+    _, chosen = memplan.plan(job, 80 * GIB)
+    assert chosen is not None and chosen.setting.offload
+    _, chosen = memplan.plan(job, 80 * GIB, host_bytes=128 * GIB)
+    assert chosen is None
+    cfg = auto_config(model={"preset": "llama-8b"}, microBatchSize=1, seqLen=2048)
+    with pytest.raises(ConfigError, match=r"host memory per process.*fits the GPU but needs 1\d\d\.\d GiB of host"):
+        autoplan.settle(cfg, 1, 80 * GIB, host_bytes=128 * GIB)
+    # The same job on eight GPUs of one node shares the host eight ways, and shards the state eight ways.
+    settled, why = autoplan.settle(cfg, 8, 80 * GIB, host_bytes=128 * GIB / 8)
+    assert "auto: " in why and estimate(autoplan.job_of(settled, 8), Setting("fsdp")).host <= 0.9 * 16 * GIB
+    # With host to spare, the GPU's plan is unchanged.
+    assert (
+        autoplan.settle(cfg, 1, 80 * GIB, host_bytes=1024 * GIB)[0].strategy
+        == autoplan.settle(cfg, 1, 80 * GIB)[0].strategy
+    )
+
+
+def test_the_host_limit_is_the_containers_cgroup_or_the_machines_memory_whichever_is_less(tmp_path):
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       134217728 kB\nMemFree: 1 kB\n")  # 128 GiB
+    (proc / "self" / "cgroup").write_text("0::/kubepods/pod1/c1\n")
+    assert autoplan.host_memory(proc, cgroups) == 128 * GIB  # no cgroup files: the machine's
+    (cgroups / "kubepods/pod1/c1").mkdir(parents=True)
+    (cgroups / "kubepods/pod1/c1/memory.max").write_text("max\n")
+    assert autoplan.host_memory(proc, cgroups) == 128 * GIB
+    (cgroups / "kubepods/pod1/c1/memory.max").write_text(f"{40 * GIB}\n")  # the pod's limit, cgroup v2
+    assert autoplan.host_memory(proc, cgroups) == 40 * GIB
+    (proc / "self" / "cgroup").write_text("4:memory:/\n2:cpuacct:/\n")  # v1, as a container sees its own
+    (cgroups / "memory").mkdir()
+    (cgroups / "memory/memory.limit_in_bytes").write_text(f"{9223372036854771712}\n")  # v1's "no limit"
+    assert autoplan.host_memory(proc, cgroups) == 128 * GIB
+    (cgroups / "memory/memory.limit_in_bytes").write_text(f"{24 * GIB}\n")
+    assert autoplan.host_memory(proc, cgroups) == 24 * GIB
+    (proc / "meminfo").write_text("garbage")
+    (proc / "self" / "cgroup").write_text("")
+    assert autoplan.host_memory(proc, cgroups) is None

@@ -48,6 +48,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", type=int, metavar="R", help="LoRA of this rank on every linear layer")
     p.add_argument("--nf4", action="store_true", help="with --lora: an NF4 base (QLoRA)")
     p.add_argument("--compile", action="store_true", help="compiled blocks")
+    p.add_argument("--host-memory", help="each node's host memory for the job (the pod's limit), e.g. 128Gi")
     return p
 
 
@@ -58,6 +59,7 @@ def _plan(argv: list[str]) -> int:
     try:
         shape = memplan.load_shape(a.model)
         gpu = memory_bytes(a.gpu_memory)
+        host = memory_bytes(a.host_memory) / max(a.gpus_per_node, 1) if a.host_memory else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.INVALID_CONFIG
@@ -66,7 +68,7 @@ def _plan(argv: list[str]) -> int:
               file=sys.stderr)  # fmt: skip
         return ExitCode.INVALID_CONFIG
     job = memplan.Job(shape, a.nodes * a.gpus_per_node, a.micro_batch, a.seq, a.lora, a.nf4, a.compile)
-    print(memplan.table(job, gpu))
+    print(memplan.table(job, gpu, host))
     return ExitCode.OK
 
 

@@ -19,6 +19,9 @@ step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state 
   loss, LOGIT_BYTES per vocabulary entry. Activation checkpointing keeps each block's input and recomputes
   one block at a time. Compiled, a block saves COMPILED_BLOCKS of it and the head and loss COMPILED_LOGITS.
 
+Host memory per process: HOST_BASE, plus what offloading moves there (16 bytes per trained parameter, over W).
+autoplan.py holds a setting to both, for `strategy.type: auto`.
+
 The four constants were fitted on five runs of the trainer on H200s (FIT_RUNS); tests/unit/test_memplan.py
 checks the model against every other run in bench/results, within 10%.
 """
@@ -29,9 +32,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sharded_api.config import TrainerConfig
-from sharded_api.loading import ConfigError
-from sharded_api.objective import reference_kind
 from sharded_api.presets import PRESETS
 from sharded_api.strategy import StrategyConfig
 
@@ -50,6 +50,11 @@ MARGIN = 0.9  # a setting fits when its peak is under this share of the GPU's me
 # held to its limit: QLoRA of the 8B shape predicted at 14.4 GiB (measured 14.7) ran out of memory once in two
 # on a 16 GiB limit, where 90% alone had let it fit (bench/results/memory-model/auto-check.md).
 HEADROOM = 1.0 * 2**30
+# Host memory every training process holds whatever the model: the interpreter, torch, the CUDA context, the
+# data pipeline and the loader's buffers (measured after building an 8B model on a GPU: 1.25 GiB resident,
+# bench/results/hf-finetuning/hf-load-8b-h200.jsonl; the rest is allowance for pinned staging buffers). The
+# loader's own peak is file pages of the mapped safetensors, which the kernel reclaims under a limit.
+HOST_BASE = 3.0 * 2**30
 FIT_RUNS = (
     ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4"),
     ("h200x2-eager-run10.txt", "trainer-fsdp2-b8"),
@@ -238,6 +243,7 @@ class Estimate:
     transient: float
     load: float  # the peak while the model is loaded, where it exceeds what the load leaves
     peak: float
+    host: float = 0.0  # host memory one process holds at its peak, bytes
 
 
 def estimate(job: Job, setting: Setting) -> Estimate:
@@ -284,7 +290,14 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     if job.reference_forward:
         transient += tokens * s.vocab * REFERENCE_LOGIT_BYTES
     peak = max(kept + act + transient, kept + grads + transient, load)
-    return Estimate(setting, kept + grads, act, transient, load, peak)
+    # Offloaded, the state lives in host memory instead: FSDP2's sharded fp32 parameters, gradients and Adam's
+    # moments (and a frozen base's shard); DeepSpeed's CPU Adam keeps the fp32 master, the moments and the
+    # fp32 gradient partition it copies the reduced gradients into, 16 bytes per trained parameter either way.
+    host = HOST_BASE
+    if setting.offload:
+        host += 16 * trained / w + (frozen if fsdp else 0.0)
+        host += 2 * s.params / w if job.reference_copy and fsdp else 0.0
+    return Estimate(setting, kept + grads, act, transient, load, peak, host)
 
 
 def allowed(job: Job, setting: Setting) -> bool:
@@ -293,12 +306,22 @@ def allowed(job: Job, setting: Setting) -> bool:
 
 
 def plan(
-    job: Job, gpu_bytes: float, types: frozenset[str] = frozenset({"fsdp", "zero2"})
+    job: Job, gpu_bytes: float, types: frozenset[str] = frozenset({"fsdp", "zero2"}), host_bytes: float | None = None
 ) -> tuple[list[Estimate], Estimate | None]:
-    """The estimate of every setting of `types`, and the fastest allowed one that fits (None: none fits)."""
+    """The estimate of every setting of `types`, and the fastest allowed one that fits (None: none fits): in
+    the GPU's memory and, when `host_bytes` (host memory per process) is known, in the host's too."""
     estimates = [estimate(job, st) for st in SETTINGS if st.strategy in types]
-    fits = [e for e in estimates if e.peak <= usable(gpu_bytes) and allowed(job, e.setting)]
+    fits = [e for e in estimates if fits_gpu(e, gpu_bytes) and fits_host(e, host_bytes) and allowed(job, e.setting)]
     return estimates, (fits[0] if fits else None)
+
+
+def fits_gpu(e: Estimate, gpu_bytes: float) -> bool:
+    return e.peak <= usable(gpu_bytes)
+
+
+def fits_host(e: Estimate, host_bytes: float | None) -> bool:
+    """Within MARGIN of the host memory per process (the pod's limit, or the node's, over its processes)."""
+    return host_bytes is None or e.host <= MARGIN * host_bytes
 
 
 def strategy_types(precision: str, kept: str | None = None) -> frozenset[str]:
@@ -312,8 +335,8 @@ def usable(gpu_bytes: float) -> float:
     return MARGIN * gpu_bytes - HEADROOM
 
 
-def table(job: Job, gpu_bytes: float) -> str:
-    estimates, chosen = plan(job, gpu_bytes)
+def table(job: Job, gpu_bytes: float, host_bytes: float | None = None) -> str:
+    estimates, chosen = plan(job, gpu_bytes, host_bytes=host_bytes)
     s = job.shape
     lines = [
         f"model: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, vocabulary {s.vocab})"
@@ -321,72 +344,21 @@ def table(job: Job, gpu_bytes: float) -> str:
         f"{job.world} processes, micro-batch {job.micro_batch} x seq {job.seq}"
         + (", compiled" if job.compile else "")
         + f"; GPU {gpu_bytes / GIB:.0f} GiB, fits under {usable(gpu_bytes) / GIB:.1f} GiB "
-        f"({MARGIN:.0%} less {HEADROOM / GIB:g} GiB)",
+        f"({MARGIN:.0%} less {HEADROOM / GIB:g} GiB)"
+        + (f"; host {host_bytes / GIB:.0f} GiB per process" if host_bytes else ""),
         "",
-        f"{'setting':<50} {'state':>8} {'activ.':>8} {'transient':>9} {'peak GiB':>9}  fits",
+        f"{'setting':<50} {'state':>8} {'activ.':>8} {'transient':>9} {'peak GiB':>9} {'host GiB':>9}  fits",
     ]
     for e in estimates:
-        mark = ("yes" if e.peak <= usable(gpu_bytes) else "no") if allowed(job, e.setting) else "not with NF4"
+        mark = "yes" if fits_gpu(e, gpu_bytes) else "no"
+        mark = mark if fits_host(e, host_bytes) else "no (host)"
+        mark = mark if allowed(job, e.setting) else "not with NF4"
         mark += "  <- chosen" if e is chosen else ""
         lines.append(f"{e.setting.label:<50} {e.state / GIB:8.1f} {e.activations / GIB:8.1f} "
-                     f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f}  {mark}")  # fmt: skip
-    if chosen is None:
+                     f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f} {e.host / GIB:9.1f}  {mark}")  # fmt: skip
+    if chosen is None and any(fits_gpu(e, gpu_bytes) and allowed(job, e.setting) for e in estimates):
+        lines.append("\nnothing fits: what fits the GPU offloads more than the host holds; raise the host's memory "
+                     "(the pod's limit), add nodes, or use LoRA")  # fmt: skip
+    elif chosen is None:
         lines.append("\nnothing fits: lower microBatchSize or seqLen, add nodes, or use LoRA")
     return "\n".join(lines)
-
-
-def job_of(cfg: TrainerConfig, world: int) -> Job:
-    """The memory model's view of a trainer config run by `world` processes."""
-    model = cfg.model.huggingface.path if cfg.model.huggingface else cfg.model.preset
-    if model is None:
-        raise ConfigError("strategy.type auto needs model.preset or model.huggingface")
-    if cfg.model.huggingface and not (Path(model) / "config.json").is_file():
-        raise ConfigError(f"model.huggingface.path {model}: no config.json there")
-    try:
-        shape = load_shape(model)
-    except NotModelled as e:
-        raise ConfigError(f"strategy.type auto: {e}; set strategy.type to fsdp or zero2") from None
-    except ValueError as e:
-        raise ConfigError(f"model.huggingface.path: {e}") from None
-    lora, dpo = cfg.lora, cfg.objective.type == "dpo"
-    reference = reference_kind(cfg.objective.dpo_settings, lora is not None) if dpo else None
-    # Compiled blocks keep fewer activations. auto may pick either strategy, so the plan counts them compiled
-    # only when both strategies' options compile: a setting it picks is then never short of memory.
-    compiled = cfg.strategy.fsdp.compile and cfg.strategy.zero2.compile
-    return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
-               bool(lora and lora.quantize_base), compile=compiled, rows=2 if dpo else 1,
-               reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy")  # fmt: skip
-
-
-def settle(
-    cfg: TrainerConfig, world: int, gpu_bytes: float | None, kept: str | None = None
-) -> tuple[TrainerConfig, str]:
-    """strategy.type auto made concrete: the fastest setting that fits in usable(gpu_bytes) (any, the
-    fastest, without a GPU), among those of strategy `kept` when a checkpoint of it is to be resumed (FSDP2
-    and ZeRO-2 checkpoints are not interchangeable) and of ZeRO-2 under fp16; the config and why."""
-    types = strategy_types(cfg.precision, kept)
-    keeping = f"; the newest checkpoint is {kept}'s" if kept else ""
-    if gpu_bytes is None:
-        chosen = next(st for st in SETTINGS if st.strategy in types)
-        return cfg.model_copy(update={"strategy": chosen.apply(cfg.strategy)}), (
-            f"auto: {chosen.label} (no GPU: no memory bound{keeping})"
-        )
-    job = job_of(cfg, world)
-    estimates, chosen = plan(job, gpu_bytes, types)
-    estimates = [e for e in estimates if allowed(job, e.setting)]
-    if chosen is None:
-        least = min(estimates, key=lambda e: e.peak)
-        more = ", or use LoRA" if job.lora_r is None else "" if job.nf4 else ", or an NF4 base (lora.quantizeBase)"
-        raise ConfigError(
-            f"strategy.type auto: no setting fits in {usable(gpu_bytes) / GIB:.1f} GiB ({MARGIN:.0%} of the GPU's "
-            f"{gpu_bytes / GIB:.0f} GiB less {HEADROOM / GIB:g} GiB) at "
-            f"microBatchSize {cfg.micro_batch_size} and seqLen {cfg.seq_len}{keeping} (the least, "
-            f"{least.setting.label}, needs {least.peak / GIB:.1f} GiB): lower microBatchSize or seqLen, or add nodes"
-            f"{more}"
-        )  # fmt: skip
-    faster = estimates[: estimates.index(chosen)]
-    skipped = "".join(f", {e.setting.label} would need {e.peak / GIB:.1f}" for e in faster)
-    return cfg.model_copy(update={"strategy": chosen.setting.apply(cfg.strategy)}), (
-        f"auto: {chosen.setting.label}, {chosen.peak / GIB:.1f} GiB predicted per GPU of {gpu_bytes / GIB:.0f} GiB"
-        f"{skipped}{keeping}"
-    )

@@ -19,7 +19,7 @@ from sharded_api.config import RECORD_SOURCES, TrainerConfig
 from sharded_api.contract import STOPPING, ExitCode, PodEnv, TrainerEventType, UserEnv
 from sharded_api.loading import ConfigError
 from sharded_api.quantity import memory_bytes
-from sharded_trainer import memplan
+from sharded_trainer import autoplan
 from sharded_trainer.checkpoint.manager import CheckpointManager, Fenced, Incompatible, newest_committed, saved_strategy
 from sharded_trainer.data import preference, records
 from sharded_trainer.data.sources import IGNORE, ShardedLoader, TokenSource, collate
@@ -212,15 +212,17 @@ def gpu_memory(env: DistEnv) -> float | None:
 
 
 def settle_auto(cfg: TrainerConfig, env: DistEnv, gpu: float | None) -> tuple[TrainerConfig, str]:
-    """strategy.type auto: every rank settles on the same setting, from the job's smallest GPU and the strategy
-    of the newest checkpoint (rank 0 lists the claim, as the resume does)."""
+    """strategy.type auto: every rank settles on the same setting, from the job's smallest GPU, its least host
+    memory per process and the strategy of the newest checkpoint (rank 0 lists the claim, as the resume does)."""
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir and cfg.checkpoint.resume and env.is_main else None
     newest = newest_committed(root) if root else None
-    mine = (gpu, saved_strategy(newest) if newest else None)
+    # The host memory each process may use: its container's, shared by the node's processes.
+    mine = (gpu, autoplan.host_per_process(env.local_world), saved_strategy(newest) if newest else None)
     every: list = [None] * env.world
     dist.all_gather_object(every, mine)
-    gpus = [g for g, _ in every if g is not None]
-    return memplan.settle(cfg, env.world, min(gpus) if gpus else None, every[0][1])
+    gpus = [g for g, _, _ in every if g is not None]
+    hosts = [h for _, h, _ in every if h is not None]
+    return autoplan.settle(cfg, env.world, min(gpus) if gpus else None, every[0][2], min(hosts) if hosts else None)
 
 
 def train(cfg: TrainerConfig, env: DistEnv, target: ReportTarget | None = None) -> int:

@@ -6,7 +6,7 @@
 #    settings fit the GPU, and they offload ~120 GiB of fp32 state (before, auto picked one and the host
 #    SIGKILLed the run). Expected: exit 2 before training, naming the host memory.
 # 2. The 1.24B shape's full fine-tuning under SHARDED_GPU_MEMORY_LIMIT=12Gi, in a memory cgroup of 16 GiB
-#    (refused: offloading needs ~21.5 GiB) and of 48 GiB (offloads and trains), where cgroup v2 can be written;
+#    (refused: offloading needs 21.4 GiB) and of 48 GiB (offloads and trains), where cgroup v2 can be written;
 #    the cgroup's measured peak (memory.peak) next to the prediction.
 set -uo pipefail
 out="${1:?usage: $0 OUT}"
@@ -26,24 +26,33 @@ case_run() {  # case_run LABEL CONFIG [cgroup]
   local label="$1" cfg="$2" group="${3:-}" start=$SECONDS rc
   echo "== $label" | tee -a "$out"
   if [[ -n $group ]]; then
+    # memory.peak counts the page cache too (libraries, the mapped weights); the anonymous memory is what a
+    # limit cannot reclaim, so its peak is sampled from memory.stat as well.
+    (peak=0; while :; do a=$(awk '$1=="anon"{print $2}' "$group/memory.stat"); ((a > peak)) && peak=$a && echo "$peak" > "/tmp/$label.anon"; sleep 0.2; done) &
+    local sampler=$!
     bash -c "echo \$\$ > $group/cgroup.procs; exec torchrun --standalone --nproc-per-node 1 -m sharded_trainer --config $cfg" >"/tmp/$label.log" 2>&1
+    rc=$?
+    kill $sampler 2>/dev/null
+    echo "# $label peak anonymous memory $(awk '{printf "%.2f GiB", $1/2^30}' "/tmp/$label.anon" 2>/dev/null)" | tee -a "$out"
   else
     torchrun --standalone --nproc-per-node 1 -m sharded_trainer --config "$cfg" >"/tmp/$label.log" 2>&1
+    rc=$?
   fi
-  rc=$?
   grep -E '"event": "auto"|strategy.type auto|"step": [0-9]+, "loss"|Killed|SIGKILL|exitcode' "/tmp/$label.log" | cut -c1-700 | tail -6 | tee -a "$out"
   echo "# $label exit $rc after $((SECONDS - start)) s" | tee -a "$out"
   [[ -n $group && -f $group/memory.peak ]] && echo "# $label cgroup memory.peak $(awk '{printf "%.2f GiB", $1/2^30}' "$group/memory.peak")" | tee -a "$out"
 }
 config llama-8b 5 /tmp/auto-8b-full.yaml
-case_run 8b-full-whole-host /tmp/auto-8b-full.yaml
+[[ ${CAPS:-} ]] || case_run 8b-full-whole-host /tmp/auto-8b-full.yaml
 config llama-1b 10 /tmp/auto-1b-full.yaml
 export SHARDED_GPU_MEMORY_LIMIT=12Gi
 root=/sys/fs/cgroup
-if [[ -f $root/cgroup.controllers ]] && grep -qw memory "$root/cgroup.controllers" && mkdir -p "$root/auto-host-16" "$root/auto-host-48" 2>/dev/null; then
+if [[ -f $root/cgroup.controllers ]] && grep -qw memory "$root/cgroup.controllers"; then
   grep -qw memory "$root/cgroup.subtree_control" || echo +memory > "$root/cgroup.subtree_control" 2>/dev/null
-  echo 16G > "$root/auto-host-16/memory.max" && case_run 1b-full-12gi-host16 /tmp/auto-1b-full.yaml "$root/auto-host-16"
-  echo 48G > "$root/auto-host-48/memory.max" && case_run 1b-full-12gi-host48 /tmp/auto-1b-full.yaml "$root/auto-host-48"
+  for cap in ${CAPS:-16 48}; do  # GiB; each cap in a fresh cgroup, so its memory.peak is this run's own
+    group="$root/auto-host-$cap-$$"
+    mkdir "$group" && echo "${cap}G" > "$group/memory.max" && case_run "1b-full-12gi-host$cap" /tmp/auto-1b-full.yaml "$group"
+  done
 else
-  echo "# no writable cgroup v2 memory controller here: the capped cases were not run ($(cat /proc/self/cgroup | head -3 | tr '\n' ' '))" | tee -a "$out"
+  echo "# no writable cgroup v2 memory controller here: the capped cases were not run ($(head -3 /proc/self/cgroup | tr '\n' ' '))" | tee -a "$out"
 fi

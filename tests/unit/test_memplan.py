@@ -357,11 +357,12 @@ def test_a_frozen_reference_copy_adds_its_bf16_parameters_sharded_as_the_policy_
 def test_offloading_counts_the_state_it_moves_to_the_host_and_auto_refuses_what_the_host_cannot_hold():
     """Held out on an H200 host of 128 GiB: a 7.6B full fine-tune under auto at 80Gi chose ZeRO-2 with the
     optimizer on the CPU and was SIGKILLed by the host. Offloaded, the fp32 master, moments and gradient
-    partition (16 bytes per trained parameter) live in host memory; auto must count them."""
+    partition (16 bytes per trained parameter) and DeepSpeed's staging live in host memory; auto must count
+    them. Held out too: the 1.24B shape on a 12 GiB GPU, offloading under a 24 GiB cgroup, was OOM-killed."""
     shape = load_shape("llama-8b")
     job = Job(shape, 1, 1, 2048)
     offload = estimate(job, Setting("zero2", checkpointing=True, offload=True))
-    assert offload.host == pytest.approx(memplan.HOST_BASE + 16 * shape.params, rel=1e-9)
+    assert offload.host == pytest.approx(memplan.HOST_BASE + memplan.OFFLOAD_HOST_BYTES * shape.params, rel=1e-9)
     assert estimate(job, Setting("fsdp", checkpointing=True)).host == memplan.HOST_BASE  # nothing offloaded
     lora = estimate(Job(shape, 1, 1, 2048, lora_r=16), Setting("zero2", checkpointing=True, offload=True))
     assert lora.host < memplan.HOST_BASE + 1 * GIB  # only the adapters' state moves
@@ -373,6 +374,14 @@ def test_offloading_counts_the_state_it_moves_to_the_host_and_auto_refuses_what_
     cfg = auto_config(model={"preset": "llama-8b"}, microBatchSize=1, seqLen=2048)
     with pytest.raises(ConfigError, match=r"host memory per process.*fits the GPU but needs 1\d\d\.\d GiB of host"):
         autoplan.settle(cfg, 1, 80 * GIB, host_bytes=128 * GIB)
+    small = auto_config(model={"preset": "llama-1b"}, microBatchSize=1, seqLen=2048)
+    with pytest.raises(ConfigError, match="host memory per process"):
+        autoplan.settle(small, 1, 12 * GIB, host_bytes=24 * GIB)  # OOM-killed when planned at 16 bytes
+    settled, why = autoplan.settle(small, 1, 12 * GIB, host_bytes=48 * GIB)  # ran, peaking at 31.3 GiB
+    assert settled.strategy.zero2.cpu_offload_optimizer and "zero2+activationCheckpointing+cpuOffloadOptimizer" in why
+    assert estimate(autoplan.job_of(settled, 1), Setting("zero2", checkpointing=True, offload=True)).host == (
+        pytest.approx(31.3 * GIB, rel=0.03)
+    )
     # The same job on eight GPUs of one node shares the host eight ways, and shards the state eight ways.
     settled, why = autoplan.settle(cfg, 8, 80 * GIB, host_bytes=128 * GIB / 8)
     assert "auto: " in why and estimate(autoplan.job_of(settled, 8), Setting("fsdp")).host <= 0.9 * 16 * GIB

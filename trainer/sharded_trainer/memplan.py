@@ -19,7 +19,8 @@ step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state 
   loss, LOGIT_BYTES per vocabulary entry. Activation checkpointing keeps each block's input and recomputes
   one block at a time. Compiled, a block saves COMPILED_BLOCKS of it and the head and loss COMPILED_LOGITS.
 
-Host memory per process: HOST_BASE, plus what offloading moves there (16 bytes per trained parameter, over W).
+Host memory per process: HOST_BASE, plus what offloading moves there (OFFLOAD_HOST_BYTES per trained
+parameter, over W).
 autoplan.py holds a setting to both, for `strategy.type: auto`.
 
 The four constants were fitted on five runs of the trainer on H200s (FIT_RUNS); tests/unit/test_memplan.py
@@ -55,6 +56,12 @@ HEADROOM = 1.0 * 2**30
 # bench/results/hf-finetuning/hf-load-8b-h200.jsonl; the rest is allowance for pinned staging buffers). The
 # loader's own peak is file pages of the mapped safetensors, which the kernel reclaims under a limit.
 HOST_BASE = 3.0 * 2**30
+# Host bytes per trained parameter (over W) that offloading holds. Fitted on ZeRO-2 with DeepSpeed's CPU Adam,
+# the 1.24B shape on one H100: its memory cgroup peaked at 31.3 GiB; a cap of 24 GiB was OOM-killed while 16
+# bytes (fp32 master, two moments, the fp32 gradient partition) had predicted 21.4
+# (bench/results/memory-model/auto-host-*). The rest is DeepSpeed's pinned staging and the copies it builds the
+# partition from. FSDP2's cpuOffload is planned at the same rate (not measured).
+OFFLOAD_HOST_BYTES = 24.6
 FIT_RUNS = (
     ("h200x2-options-fsdp-run14.txt", "trainer-fsdp2-b4"),
     ("h200x2-eager-run10.txt", "trainer-fsdp2-b8"),
@@ -291,11 +298,11 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         transient += tokens * s.vocab * REFERENCE_LOGIT_BYTES
     peak = max(kept + act + transient, kept + grads + transient, load)
     # Offloaded, the state lives in host memory instead: FSDP2's sharded fp32 parameters, gradients and Adam's
-    # moments (and a frozen base's shard); DeepSpeed's CPU Adam keeps the fp32 master, the moments and the
-    # fp32 gradient partition it copies the reduced gradients into, 16 bytes per trained parameter either way.
+    # moments (and a frozen base's shard); DeepSpeed's CPU Adam the fp32 master, the moments and the fp32
+    # gradient partition, with its staging buffers (OFFLOAD_HOST_BYTES).
     host = HOST_BASE
     if setting.offload:
-        host += 16 * trained / w + (frozen if fsdp else 0.0)
+        host += OFFLOAD_HOST_BYTES * trained / w + (frozen if fsdp else 0.0)
         host += 2 * s.params / w if job.reference_copy and fsdp else 0.0
     return Estimate(setting, kept + grads, act, transient, load, peak, host)
 

@@ -111,6 +111,8 @@ def busy_cpu_seconds() -> float:
 
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+# Names a lane's cpuacct cgroup to its pytest (tests/support/suite_clock.py reads it).
+CPU_CGROUP_ENV = "SHARDED_SUITE_CPU_CGROUP"
 
 
 def cpu_cgroup(name: str) -> Path | None:
@@ -126,10 +128,16 @@ def cpu_cgroup(name: str) -> Path | None:
 
 
 def _join(group: Path | None):
-    """preexec_fn: the lane's pytest enters its cgroup before it starts anything."""
+    """preexec_fn: the lane's pytest enters its cgroup before it starts anything. A lane that cannot enter it
+    still runs (its table then counts its process tree): accounting never stops the suite."""
     if group is None:
         return None
-    return lambda: (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    def enter() -> None:
+        with contextlib.suppress(OSError):
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    return enter
 
 
 def main(extra: list[str]) -> int:
@@ -148,7 +156,7 @@ def main(extra: list[str]) -> int:
                        f"--junitxml={BUILD / ('junit-' + name + '.xml')}",
                        f"--suite-times={BUILD / ('suite-times-' + name + '.txt')}", *paths, *extra)  # fmt: skip
         group = groups[name] = cpu_cgroup(name)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"SHARDED_SUITE_CPU_CGROUP": str(group)} if group else {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({CPU_CGROUP_ENV: str(group)} if group else {})}
         procs[name] = p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True, env=env, preexec_fn=_join(group))  # fmt: skip
         threads.append(threading.Thread(target=_stream, args=(name, p, BUILD / f"{name}.log"), daemon=True))

@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from suite import CPU_CGROUP_ENV
 
 TESTS = Path(__file__).resolve().parent.parent
 
@@ -38,8 +39,8 @@ def _ticks(stat: str) -> int:
 
 
 # hack/suite.py puts each lane in a cpuacct cgroup of its own (a hierarchy apart from the scheduler's, so
-# nothing is throttled) and names it here: the cgroup counts every process the lane started, orphans too.
-CPU_CGROUP_ENV = "SHARDED_SUITE_CPU_CGROUP"
+# nothing is throttled) and names it in CPU_CGROUP_ENV: the cgroup counts every process the lane started,
+# orphans too.
 
 
 def cpu_seconds() -> float:

@@ -412,3 +412,11 @@ def test_the_host_limit_is_the_containers_cgroup_or_the_machines_memory_whicheve
     (proc / "meminfo").write_text("garbage")
     (proc / "self" / "cgroup").write_text("")
     assert autoplan.host_memory(proc, cgroups) is None
+
+
+def test_a_malformed_cgroup_listing_is_skipped_not_crashed_on(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       33554432 kB\n")  # 32 GiB
+    (proc / "self" / "cgroup").write_text("no colons here\n\x00\x01:\n" + "x" * 5000 + "\n")
+    assert autoplan.host_memory(proc, tmp_path / "cgroup") == 32 * GIB

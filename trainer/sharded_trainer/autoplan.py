@@ -4,7 +4,8 @@ runs on and the host memory its node gives each process.
 A setting is chosen only when it fits both: the GPU's memory (the device's, or SHARDED_GPU_MEMORY_LIMIT) and
 the host's per process (the container's memory limit, or the machine's memory, over the processes of the
 node). Offloading moves the optimizer state to the host, so a setting that fits the GPU only by offloading
-can still be killed by the host: an 8B-class full fine-tune on one GPU offloads about 113 GiB of fp32 state.
+can still be killed by the host: an 8B-class full fine-tune on one GPU offloads about 184 GiB (the fp32
+state and its staging).
 When nothing fits both, the job fails before training, naming what to change.
 """
 
@@ -55,7 +56,10 @@ def host_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup
     except OSError:
         lines = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:  # not a cgroup line: nothing to read from it
+            continue
+        _, controllers, path = fields
         if controllers == "":
             candidates = [cgroups / path.lstrip("/") / "memory.max", cgroups / "memory.max"]
         elif "memory" in controllers.split(","):

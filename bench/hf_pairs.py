@@ -65,34 +65,40 @@ def parse(txt: Path) -> dict[str, dict]:
     return arms
 
 
-def peer_of(label: str, arms: dict) -> str:
-    """The peer an arm is compared with: the same kind of training, and the peer with gradient checkpointing
-    where the run has only that one (long sequences)."""
-    kind = "peer-lora" if "lora" in label else "peer-full"
-    return kind if kind in arms else kind + "-gc"
+def peer_of(label: str, arms: dict, compiled: bool = False) -> str:
+    """The peer an arm is compared with: the same kind of training at the same precision (bf16-pure against the
+    Trainer that loaded the directory in bf16, mixed precision against the one keeping fp32 master weights),
+    the peer with gradient checkpointing where the run has only that one (long sequences, 8B full fine-tuning
+    on one GPU); with `compiled`, the peer with torch_compile=True."""
+    kind = "peer-lora" if "lora" in label else "peer-full-bf16" if "pure" in label else "peer-full"
+    end = "-compiled" if compiled else ""
+    return kind + end if kind + end in arms else kind + "-gc" + end
 
 
 def table(name: str, arms: dict[str, dict]) -> list[str]:
-    rows = [f"| {name}: arm | tokens/s per GPU | windows (min-max) | MFU | peak allocated GiB | vs peer | vs preset |",
-            "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = [f"| {name}: arm | tokens/s per GPU | windows (min-max) | MFU | peak allocated GiB | vs peer "
+            "| vs compiled peer | vs preset |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for label, a in arms.items():
         if label.startswith("peer"):
             ours = arms.get("hf-lora" if label.startswith("peer-lora") else "hf") or next(
                 (a for k, a in arms.items() if k.startswith("hf-lora" if "lora" in label else "hf")), None
             )
             mfu = f"{a['tok_s'] * ours['mfu_per_tok']:.1%}" if ours else "-"
+            peak = a["peak"]
             rows.append(
-                f"| {label} (Hugging Face Trainer) | {a['tok_s']:,} | median step | {mfu} | {a['peak']} | 1.00 | - |"
+                f"| {label} (Hugging Face Trainer) | {a['tok_s']:,} | median step | {mfu} | {peak} | 1.00 | - | - |"
             )
             continue
         peer = arms.get(peer_of(label, arms))
         preset = arms.get(label.replace("hf", "preset", 1)) if label.startswith("hf-") or label == "hf" else None
         vs_peer = f"**{a['tok_s'] / peer['tok_s']:.2f}**" if peer and not label.startswith("preset") else "-"
+        compiled = arms.get(peer_of(label, arms, compiled=True))
+        vs_compiled = f"**{a['tok_s'] / compiled['tok_s']:.2f}**" if compiled else "-"
         vs_preset = f"{a['tok_s'] / preset['tok_s']:.3f}" if preset else "-"
         lo, hi = a["range"]
         rows.append(
             f"| {label} | {a['tok_s']:,} | {a['windows']} ({lo:,}-{hi:,}) | {a['tok_s'] * a['mfu_per_tok']:.1%} | "
-            f"{a['peak']} | {vs_peer} | {vs_preset} |"
+            f"{a['peak']} | {vs_peer} | {vs_compiled} | {vs_preset} |"
         )
     return rows
 

@@ -17,8 +17,12 @@
 #                                 picks FlexAttention for packed records on a GPU, SDPA otherwise)
 #   *-auto                        strategy.type auto (the memory model picks the setting, activation
 #                                 checkpointing where it must) instead of FSDP2
-#   peer-lora-gc peer-full-gc     the peer with TrainingArguments(gradient_checkpointing=True)
-#                                 (bench/peer_checkpointing.py), as long sequences need
+#   peer-KIND[-bf16][-gc][-compiled]  the peer (KIND full or lora) loading the model directory in bf16, as a
+#                                 user does (full fine-tuning then trains pure bf16 weights; without -bf16 the
+#                                 shape is built in fp32 and the Trainer keeps fp32 master weights); with
+#                                 TrainingArguments(gradient_checkpointing=True) (bench/peer_checkpointing.py),
+#                                 as long sequences and 8B full fine-tuning on one GPU need; with torch_compile=True
+#   *-pure                        precision bf16-pure (bf16 weights and moments, stochastically rounded AdamW)
 # Env: PEER (peer script, default .devwheels/peer_hf_trainer.py), PROCS (GPUs, default 1), BATCH (4),
 # STEPS (30), MODEL_DIR (where the shape's Hugging Face directory is written, default /tmp/llama-SHAPE-hf),
 # CHAT_DIR (default .benchdata/chat), SEQ (sequence length, default 2048),
@@ -64,6 +68,7 @@ arm() {  # arm LABEL COMMAND...: run one arm under the budget, keep its result l
 
 trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, strategy and compile the label names
   local label="$1" model strategy=fsdp compile=false lora="" data="{source: synthetic}" attention=auto
+  local precision=bf16
   [[ $label == *-flex* ]] && attention=flex_attention
   [[ $label == *-sdpa* ]] && attention=sdpa
   model="{huggingface: {path: $dir, attention: $attention}}"
@@ -73,6 +78,7 @@ trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, stra
   [[ $label == *zero2* ]] && strategy=zero2
   [[ $label == *-auto* ]] && strategy=auto
   [[ $label == *compiled* ]] && compile=true
+  [[ $label == *-pure* ]] && precision=bf16-pure
   [[ $label == hf-lora* ]] && lora="lora: {r: 16, alpha: 32}"
   [[ $label == hf-qlora* ]] && lora="lora: {r: 16, alpha: 32, quantizeBase: nf4}"
   if [[ $label != preset* && ! -f $dir/config.json ]]; then
@@ -83,6 +89,7 @@ model: $model
 strategy: {type: $strategy, fsdp: {compile: $compile}, zero2: {compile: $compile}}
 data: $data
 $lora
+precision: $precision
 steps: $steps
 microBatchSize: $batch
 seqLen: $seq
@@ -91,16 +98,24 @@ YAML
   arm "$label" torchrun --standalone --nproc-per-node "$procs" -m sharded_trainer --config "/tmp/hf-pairs-$label.yaml"
 }
 
+peer_arm() {  # peer_arm LABEL: the peer script with the mode, model and settings the label names
+  local label="$1" run=("$peer") model="$shape" mode=lora-ddp compile=""
+  [[ $label == *-gc* ]] && run=(bench/peer_checkpointing.py "$peer")
+  [[ $label == *-compiled* ]] && compile=compile
+  if [[ $label == *-bf16* ]]; then
+    model="$dir"
+    [[ -f $dir/config.json ]] || python bench/hf_load.py make --shape "$preset" --out "$dir" >&2 || return
+  fi
+  if [[ $label == peer-full* ]]; then
+    mode=full-ddp
+    ((procs > 1)) && mode=full-fsdp
+  fi
+  arm "$label" torchrun --standalone --nproc-per-node "$procs" "${run[@]}" "$mode" "$batch" "$seq" "$model" $compile
+}
+
 for label in "${arms[@]}"; do
-  run=("$peer")
-  [[ $label == peer-*-gc ]] && run=(bench/peer_checkpointing.py "$peer")
   case $label in
-    peer-full|peer-full-gc)
-      mode=full-ddp
-      ((procs > 1)) && mode=full-fsdp
-      arm "$label" torchrun --standalone --nproc-per-node "$procs" "${run[@]}" "$mode" "$batch" "$seq" "$shape" ;;
-    peer-lora|peer-lora-gc)
-      arm "$label" torchrun --standalone --nproc-per-node "$procs" "${run[@]}" lora-ddp "$batch" "$seq" "$shape" ;;
+    peer-*) peer_arm "$label" ;;
     *) trainer_arm "$label" ;;
   esac
 done

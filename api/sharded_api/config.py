@@ -160,7 +160,11 @@ class LoraConfig(Model):
 class OptimizerConfig(Model):
     """AdamW settings."""
 
-    name: Literal["adamw"] = Field("adamw", description="Optimizer; AdamW (fused on GPU).")
+    name: Literal["adamw"] = Field(
+        "adamw",
+        description="Optimizer; AdamW (torch's, fused on GPU; under precision bf16-pure torchao's, stochastically "
+        "rounded).",
+    )
     lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate.")
     weight_decay: float = Field(0.1, ge=0, le=1, description="Decoupled weight decay.")
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
@@ -262,9 +266,14 @@ class TrainingSpec(Model):
         "event says so.",
     )  # fmt: skip
     seq_len: int = Field(128, ge=8, le=131_072, description="Tokens per sequence.")
-    precision: Literal["bf16", "fp16", "fp32"] = Field(
-        "bf16", description="Parameter/compute dtype; bf16 on CPU falls back to fp32 compute where unsupported."
-    )
+    precision: Literal["bf16", "fp16", "fp32", "bf16-pure"] = Field(
+        "bf16",
+        description="Compute dtype. bf16 and fp16 compute in that dtype over fp32 master weights (16 bytes of "
+        "state per trained parameter with AdamW); fp32 computes in fp32. bf16-pure keeps the weights, gradients "
+        "and AdamW's moments in bf16 (8 bytes per parameter) and rounds each update stochastically (torchao's "
+        "AdamW), so that updates smaller than bf16's spacing still move the weights on average: FSDP2 only, full "
+        "fine-tuning only. bf16 on CPU falls back to fp32 compute where unsupported.",
+    )  # fmt: skip
     grad_clip_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
@@ -312,6 +321,19 @@ class TrainerConfig(TrainingSpec):
             At("strategy.type").eq("fsdp").implies(At("precision").ne("fp16")),
             good=({"precision": "fp16", "strategy": {"type": "zero2"}}, {"precision": "bf16"}),
             bad=({"precision": "fp16", "strategy": {"type": "fsdp"}}, {"precision": "fp16"}),
+        ),
+        Rule(
+            "precision", "bf16-pure is full fine-tuning under FSDP2 on the GPU (ZeRO-2 keeps its own fp32 master; "
+            "LoRA adapters already train in fp32 over a bf16 base): use strategy.type fsdp or auto, without lora "
+            "and strategy.fsdp.cpuOffload, or use precision bf16",
+            At("precision").eq("bf16-pure").implies(
+                At("strategy.type").ne("zero2") & ~Has("lora") & At("strategy.fsdp.cpuOffload").ne(True)
+            ),
+            good=({"precision": "bf16-pure", "strategy": {"type": "auto", "fsdp": {"cpuOffload": False}}},
+                  {"precision": "bf16", "lora": {"r": 8}, "strategy": {"type": "zero2"}, **_HF}),
+            bad=({"precision": "bf16-pure", "strategy": {"type": "zero2"}},
+                 {"precision": "bf16-pure", "lora": {"r": 8}, **_HF},
+                 {"precision": "bf16-pure", "strategy": {"fsdp": {"cpuOffload": True}}}),
         ),
         Rule(
             "checkpoint.async", "asynchronous saves are supported for strategy.type fsdp only: set it to false",

@@ -60,6 +60,18 @@ def compiles(options: dict) -> bool:
 
 # Fresh 10-step bf16 runs, exported by the test below.
 BF16 = {f"bf16-{s}": {"strategy.type": s, "precision": "bf16", "steps": 10} for s in ("fsdp", "zero2")}
+# bf16-pure: a 20-step run, and the same run stopped after 10 steps and then resumed from its directory. A
+# constant rate after the warm-up makes the first 10 steps of both the same.
+PURE = {"strategy.type": "fsdp", "precision": "bf16-pure", "schedule.decay": "constant"}
+
+
+def pure_configs(tmp) -> dict[str, object]:
+    stopped = tmp / "pure-stopped"
+    return {
+        "pure": write_config(tmp / "pure", **PURE),
+        "pure-stopped": write_config(stopped, **PURE, steps=10),
+        "pure-resumed": write_config(tmp / "pure-resumed", **PURE, **{"checkpoint.dir": str(stopped / "ckpt")}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +96,9 @@ def runs(plain, tmp_path_factory):
         if not compiled:
             names += BF16
             configs += [write_config(tmp / name, **settings) for name, settings in BF16.items()]
+            pure = pure_configs(tmp)
+            names += pure
+            configs += pure.values()
         launch = tmp / ("compiled" if compiled else "eager")
         inductor = INDUCTOR_CACHE if compiled else launch / "inductor"
         env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "DS_ACCELERATOR": "cpu", **INDUCTOR_LOG}
@@ -144,3 +159,35 @@ def test_the_export_of_a_bf16_run_holds_fp32_master_weights_and_says_so(runs, st
     assert all(w.dtype == torch.float32 for w in weights.values())
     # Ten steps of AdamW moved the fp32 master weights off the bf16 grid: a bf16-rounded export would be on it.
     assert any((w.bfloat16().float() != w).any() for w in matrices)
+
+
+def test_bf16_pure_keeps_every_weight_and_moment_in_bf16_learns_and_resumes_on_the_same_steps(runs):
+    """precision bf16-pure: no fp32 copy anywhere in the checkpoint, the loss falls, and a run resumed from step
+    10 reproduces the uninterrupted run's steps 11-20 exactly (the stochastic rounding is seeded by the step),
+    and the export says its weights were bf16."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from sharded_api.loading import load_config
+    from sharded_trainer.checkpoint.export import export_checkpoint
+
+    directory, whole, _ = runs["pure"]
+    _, resumed, _ = runs["pure-resumed"]
+    assert resumed.event("resumed")["step"] == 10
+    losses = whole.losses()
+    assert [resumed.losses()[step] for step in range(11, 21)] == [losses[step] for step in range(11, 21)]
+    assert losses[20] < 0.5 * losses[1], losses
+    meta = dcp.FileSystemReader(str(step_dir(directory / "ckpt", 20))).read_metadata().state_dict_metadata
+    weights = {k: m.properties.dtype for k, m in meta.items() if k.startswith("model.")}
+    moments = {k: m.properties.dtype for k, m in meta.items() if k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert weights and set(weights.values()) == {torch.bfloat16}, weights
+    assert set(moments.values()) == {torch.bfloat16}, moments
+    assert {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in moments} <= {k[6:] for k in weights}
+    out = export_checkpoint(load_config(str(directory / "trainer.yaml")), str(directory / "ckpt"),
+                            str(directory / "model.safetensors"))  # fmt: skip
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+        matrices = [f.get_tensor(k) for k in f.keys() if f.get_slice(k).get_shape().__len__() == 2]  # noqa: SIM118
+    assert meta["trained_in"] == "bf16-pure" and meta["weights"] == "bf16 sharded parameters", meta
+    assert matrices and all((w.bfloat16().float() == w).all() for w in matrices)  # on bf16's grid: nothing lost

@@ -41,3 +41,32 @@ def test_compiled_loss_matches_the_eager_one(logits_and_targets):
     loss, grad = loss_and_grad(loss_function(compile=True), *logits_and_targets)
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=2**-10)  # one bf16 ulp at the largest entries
+
+
+def test_stochastic_rounding_keeps_updates_smaller_than_half_of_bf16s_spacing():
+    """Adam's first updates are the learning rate itself: 1e-3 on weights of 1.0, where bf16's spacing is 2^-8
+    below and 2^-7 above. Rounded to nearest (torch's AdamW on bf16 weights) each update is lost and the weights
+    never move; bf16-pure's optimizer rounds stochastically, and its weights follow the fp32 ones on average."""
+    from sharded_api.config import OptimizerConfig
+    from sharded_trainer.strategies.optim import adamw_kwargs, stochastic_adamw
+
+    torch.manual_seed(0)
+    o = OptimizerConfig(lr=1e-3, weightDecay=0.0)
+    rounded = torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))
+    nearest = torch.nn.Parameter(torch.ones(8192, dtype=torch.bfloat16))
+    exact = torch.nn.Parameter(torch.ones(8192))
+    optimizers = {
+        rounded: stochastic_adamw([rounded], o, torch.device("cpu")),
+        nearest: torch.optim.AdamW([nearest], **adamw_kwargs(o)),
+        exact: torch.optim.AdamW([exact], **adamw_kwargs(o)),
+    }
+    for _ in range(20):
+        for weight, optimizer in optimizers.items():
+            weight.grad = torch.ones_like(weight)
+            optimizer.step()
+    assert rounded.dtype == torch.bfloat16
+    assert (nearest == 1).all()
+    assert exact.mean().item() == pytest.approx(0.98, abs=1e-4)
+    moved = 1 - rounded.float().mean().item()
+    assert moved == pytest.approx(0.02, rel=0.05)
+    assert len(rounded.float().unique()) > 1  # each weight rounded on its own, not all one way

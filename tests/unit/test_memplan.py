@@ -194,6 +194,27 @@ def test_auto_keeps_the_strategy_of_the_checkpoint_and_zero2_for_fp16():
     assert settled.strategy.type == "fsdp" and "no GPU" in why
 
 
+def test_bf16_pure_keeps_eight_bytes_per_parameter_and_auto_keeps_it_on_fsdp2_without_offload():
+    """bf16 weights, gradients and moments: the state is half of mixed precision's; auto chooses among FSDP2's
+    settings only, and never one that offloads (the rule on precision)."""
+    shape = load_shape("llama-8b")
+    mixed, pure = Job(shape, 8, 4, 2048), Job(shape, 8, 4, 2048, pure_bf16=True)
+    plain = Setting("fsdp")
+    assert estimate(mixed, plain).state == pytest.approx(16 * shape.params / 8)
+    assert estimate(pure, plain).state == pytest.approx(8 * shape.params / 8)
+    assert memplan.strategy_types("bf16-pure") == {"fsdp"}
+    one = Job(shape, 1, 4, 2048, pure_bf16=True)
+    estimates, chosen = memplan.plan(one, 80 * GIB)
+    assert chosen is not None and chosen.setting == Setting("fsdp", checkpointing=True)
+    assert chosen.peak == pytest.approx(61.2 * GIB, abs=0.05 * GIB)
+    assert all(e.setting.strategy == "fsdp" for e in estimates)
+    assert "not with bf16-pure" in memplan.table(one, 80 * GIB) and "zero2" not in memplan.table(one, 80 * GIB)
+    settled, why = autoplan.settle(auto_config(precision="bf16-pure"), 1, 80 * GIB)
+    assert settled.strategy.type == "fsdp" and settled.strategy.fsdp.activation_checkpointing, why
+    with pytest.raises(ConfigError, match="no setting fits"):  # mixed precision would offload here; pure cannot
+        autoplan.settle(auto_config(precision="bf16-pure"), 1, 48 * GIB)
+
+
 def test_auto_refuses_before_training_when_nothing_fits():
     from sharded_api.loading import ConfigError
 

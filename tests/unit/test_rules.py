@@ -52,9 +52,9 @@ def test_trainer_config_rules_hold_on_the_trainer_config_too(rule):
 
 
 def test_the_spec_carries_the_trainer_rules_with_its_own_paths():
-    spec_rules = {r.field: r for r in ShardedTrainingJobSpec.rules}
-    assert spec_rules["trainer.precision"].message == TrainerConfig.rules[0].message
-    assert spec_rules["trainer.precision"].bad[0] == {
+    fp16 = next(r for r in ShardedTrainingJobSpec.rules if r.message == TrainerConfig.rules[0].message)
+    assert fp16.field == "trainer.precision"
+    assert fp16.bad[0] == {
         "trainer": {"precision": "fp16"}, "strategy": {"type": "fsdp"}, "resources": {"gpusPerNode": 8}
     }  # fmt: skip
 

@@ -40,10 +40,12 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
     reference = reference_kind(cfg.objective.dpo_settings, lora is not None) if dpo else None
     # Compiled blocks keep fewer activations. auto may pick either strategy, so the plan counts them compiled
     # only when both strategies' options compile: a setting it picks is then never short of memory.
-    compiled = cfg.strategy.fsdp.compile and cfg.strategy.zero2.compile
+    pure = cfg.precision == "bf16-pure"  # FSDP2 only: its compile setting alone counts
+    compiled = cfg.strategy.fsdp.compile and (pure or cfg.strategy.zero2.compile)
     return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
                bool(lora and lora.quantize_base), compile=compiled, rows=2 if dpo else 1,
-               reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy")  # fmt: skip
+               reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy",
+               pure_bf16=pure)  # fmt: skip
 
 
 def host_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> float | None:

@@ -6,9 +6,9 @@ Peak = max(end of forward, optimizer step), each the sum of what the strategy ke
 step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state is sharded over):
 
 - FSDP2: fp32 parameters 4B/W and Adam's moments 8B/W; the fp32 gradients (4B/W) exist from backward to the
-  step, when the activations are gone. The gathered bf16 copies of the output head and of the block in flight
-  are a transient; with reshardAfterForward false every block's stays gathered (2 bytes per block
-  parameter, unsharded). cpuOffload keeps all of the state in host memory.
+  step, when the activations are gone. Under bf16-pure all three are bf16 (6B/W kept, 2B/W gradients). The
+  gathered bf16 copies of the output head and of the block in flight are a transient; with
+  reshardAfterForward false every block's stays gathered (2 bytes per block parameter, unsharded). cpuOffload keeps all of the state in host memory.
 - ZeRO-2: bf16 parameters on every process (2B), fp32 master 4B/W and moments 8B/W; cpuOffloadOptimizer
   moves the last two to the host.
 - LoRA: the frozen base in bf16 (sharded under FSDP2, whole under ZeRO-2) or, with an NF4 base, its
@@ -240,6 +240,8 @@ class Job:
     reference_forward: bool = False
     # DPO's reference as a frozen copy of the model: its bf16 parameters, sharded as the policy's are.
     reference_copy: bool = False
+    # precision bf16-pure (FSDP2): bf16 parameters and moments, no fp32 master; bf16 gradients.
+    pure_bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,12 +267,14 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         frozen /= w if fsdp else 1  # ZeRO-2 keeps whole parameters on every process
     # Kept across the step: fp32 master (FSDP2's sharded parameters) and Adam's two moments; ZeRO-2 adds
     # the bf16 parameters every process computes with.
-    kept = 0.0 if setting.offload and fsdp else frozen + (0 if setting.offload else 12 * trained / w)
+    # bf16-pure: the bf16 parameters and bf16 moments, 6 bytes, and bf16 gradients.
+    state_bytes, grad_bytes = (6, 2) if job.pure_bf16 else (12, 4)
+    kept = 0.0 if setting.offload and fsdp else frozen + (0 if setting.offload else state_bytes * trained / w)
     if not fsdp:
         kept += 2 * trained
     if job.reference_copy and not (setting.offload and fsdp):
         kept += 2 * s.params / (w if fsdp else 1)
-    grads = 0.0 if setting.offload else 4 * trained / w
+    grads = 0.0 if setting.offload else grad_bytes * trained / w
     tokens = job.micro_batch * job.rows * job.seq
     blocks = s.layers * s.block_act_bytes()
     if setting.checkpointing:
@@ -308,8 +312,9 @@ def estimate(job: Job, setting: Setting) -> Estimate:
 
 
 def allowed(job: Job, setting: Setting) -> bool:
-    """FSDP2 cannot offload an NF4 base to host memory (config rule on strategy.fsdp.cpuOffload)."""
-    return not (job.nf4 and setting.strategy == "fsdp" and setting.offload)
+    """FSDP2 cannot offload an NF4 base to host memory, nor train bf16-pure offloaded (config rules on
+    strategy.fsdp.cpuOffload and precision)."""
+    return not ((job.nf4 or job.pure_bf16) and setting.strategy == "fsdp" and setting.offload)
 
 
 def plan(
@@ -317,6 +322,7 @@ def plan(
 ) -> tuple[list[Estimate], Estimate | None]:
     """The estimate of every setting of `types`, and the fastest allowed one that fits (None: none fits): in
     the GPU's memory and, when `host_bytes` (host memory per process) is known, in the host's too."""
+    types = types & {"fsdp"} if job.pure_bf16 else types  # bf16-pure is FSDP2's (the rule on precision)
     estimates = [estimate(job, st) for st in SETTINGS if st.strategy in types]
     fits = [e for e in estimates if fits_gpu(e, gpu_bytes) and fits_host(e, host_bytes) and allowed(job, e.setting)]
     return estimates, (fits[0] if fits else None)
@@ -333,8 +339,10 @@ def fits_host(e: Estimate, host_bytes: float | None) -> bool:
 
 def strategy_types(precision: str, kept: str | None = None) -> frozenset[str]:
     """The strategies auto may choose: that of a checkpoint to be resumed (FSDP2 and ZeRO-2 checkpoints are
-    not interchangeable), and only ZeRO-2 under fp16 (FSDP2 has no loss scaler)."""
-    return frozenset({kept} if kept else {"zero2"} if precision == "fp16" else {"fsdp", "zero2"})
+    not interchangeable), only ZeRO-2 under fp16 (FSDP2 has no loss scaler), only FSDP2 under bf16-pure."""
+    if kept:
+        return frozenset({kept})
+    return frozenset({"zero2"} if precision == "fp16" else {"fsdp"} if precision == "bf16-pure" else {"fsdp", "zero2"})
 
 
 def usable(gpu_bytes: float) -> float:
@@ -359,7 +367,7 @@ def table(job: Job, gpu_bytes: float, host_bytes: float | None = None) -> str:
     for e in estimates:
         mark = "yes" if fits_gpu(e, gpu_bytes) else "no"
         mark = mark if fits_host(e, host_bytes) else "no (host)"
-        mark = mark if allowed(job, e.setting) else "not with NF4"
+        mark = mark if allowed(job, e.setting) else "not with bf16-pure" if job.pure_bf16 else "not with NF4"
         mark += "  <- chosen" if e is chosen else ""
         lines.append(f"{e.setting.label:<50} {e.state / GIB:8.1f} {e.activations / GIB:8.1f} "
                      f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f} {e.host / GIB:9.1f}  {mark}")  # fmt: skip

@@ -14,7 +14,8 @@ from torch import nn
 from sharded_api.config import TrainerConfig
 from sharded_api.presets import PRESETS, ModelArgs
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# bf16-pure computes in bf16 too; it differs in what is stored (no fp32 master) and how the optimizer rounds.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bf16-pure": torch.bfloat16}
 
 
 def model_args(preset: str, vocab_size: int | None = None, max_seq_len: int | None = None) -> ModelArgs:

@@ -239,14 +239,14 @@ def _rows_shape(shape: torch.Size, rows: tuple[int, int] | None) -> list[int]:
 
 def base_dtype(cfg: TrainerConfig) -> torch.dtype:
     """The dtype the model is built in. auto: fp32 for trained weights under FSDP2 (the master copy the
-    optimizer steps); the compute precision for a frozen LoRA base, and under ZeRO-2 (DeepSpeed casts the
-    module to it and keeps its fp32 master in the optimizer partitions), so the weights are read once, in
-    the dtype the run keeps them in."""
+    optimizer steps); the compute precision for a frozen LoRA base, under bf16-pure (there is no master), and
+    under ZeRO-2 (DeepSpeed casts the module to it and keeps its fp32 master in the optimizer partitions), so
+    the weights are read once, in the dtype the run keeps them in."""
     spec = cfg.model.huggingface
     assert spec is not None
     if spec.dtype != "auto":
         return DTYPES[spec.dtype]
-    if cfg.lora is not None or cfg.strategy.type == "zero2":
+    if cfg.lora is not None or cfg.strategy.type == "zero2" or cfg.precision == "bf16-pure":
         return DTYPES[cfg.precision]
     return torch.float32
 

@@ -108,6 +108,10 @@ class FsdpStrategy:
             # One process has nothing to gather, and FSDP2's path for a world of one (torch 2.11) hands a
             # tensor subclass one all-gather output where NF4 has three: the weights stay outside it.
             ignored = set(quantized) if env.world == 1 else None
+        if cfg.precision == "bf16-pure":  # no fp32 master: the sharded parameters themselves are bf16
+            with torch.no_grad():
+                for param in net.module.parameters():
+                    param.data = param.data.to(torch.bfloat16)
         self.model = apply_fsdp(
             net.module, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision], ignored=ignored
         )
@@ -141,7 +145,15 @@ class FsdpStrategy:
         if self.cfg.grad_clip_norm > 0:  # the norm is a pass over every gradient plus an all-reduce
             norm = torch.nn.utils.clip_grad_norm_(trainable(self.model), self.cfg.grad_clip_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
+        if self.cfg.precision == "bf16-pure":
+            # The stochastic rounding draws from the generator seeded by (seed, step, rank), on the side of the
+            # global one: a resumed run rounds as the uninterrupted run did.
+            step = self.scheduler.last_epoch
+            with torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else []):
+                torch.manual_seed(hash((self.cfg.seed, step, self.env.rank)) & (2**63 - 1))
+                self.optimizer.step()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return total / len(micro_batches), norm
@@ -155,7 +167,7 @@ class FsdpStrategy:
         return held_out_loss(self.objective, self.model, batch, self.env.device)
 
     def current_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])  # torchao's AdamW keeps the rate as a tensor
 
     def _options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -208,8 +220,15 @@ class FsdpStrategy:
 
     @staticmethod
     def weights_source(directory: Path) -> str:
-        # FSDP2 keeps the sharded parameters in fp32 and casts a copy for compute (MixedPrecisionPolicy).
-        return "fp32 sharded parameters"
+        # FSDP2 keeps the sharded parameters in fp32 and casts a copy for compute (MixedPrecisionPolicy);
+        # under bf16-pure the parameters themselves are bf16.
+        import torch.distributed.checkpoint as dcp
+
+        meta = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+        dtypes = {
+            getattr(getattr(m, "properties", None), "dtype", None) for k, m in meta.items() if k.startswith("model.")
+        }
+        return "bf16 sharded parameters" if torch.bfloat16 in dtypes else "fp32 sharded parameters"
 
     @classmethod
     def full_model_state(cls, model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:

@@ -15,7 +15,28 @@ def adamw_kwargs(o: OptimizerConfig) -> dict:
 
 
 def make_optimizer(params, cfg: TrainerConfig, device: torch.device) -> torch.optim.Optimizer:
+    if cfg.precision == "bf16-pure":
+        return stochastic_adamw(params, cfg.optimizer, device)
     return torch.optim.AdamW(params, **adamw_kwargs(cfg.optimizer), fused=device.type == "cuda")
+
+
+def stochastic_adamw(params, o: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over bf16 weights: torchao's, which computes each update in fp32 and rounds the new weight to bf16
+    stochastically (up with the probability of the dropped fraction), so the expected weight is the fp32 one.
+    Rounded to nearest, an update under half of bf16's spacing (1/256 of the weight) is lost every step, and a
+    small learning rate stops training. Its moments are bf16 too: 8 bytes per parameter in all.
+
+    torchao compiles the step once per parameter shape; on a CPU (tests, CI) that is a C++ build per shape,
+    longer than the run, so there the same function runs eagerly."""
+    # torchao 0.18 exports it as `_AdamW` (in its __all__; its documented name for bf16 stochastic rounding).
+    from torchao.optim import _AdamW
+
+    class EagerOnCpu(_AdamW):
+        def step(self, closure=None):
+            with torch._dynamo.config.patch(disable=True):
+                return super().step(closure)
+
+    return (_AdamW if device.type == "cuda" else EagerOnCpu)(params, **adamw_kwargs(o), bf16_stochastic_round=True)
 
 
 def lr_lambda(schedule: ScheduleConfig, total_steps: int):

@@ -8,7 +8,8 @@ step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state 
 - FSDP2: fp32 parameters 4B/W and Adam's moments 8B/W; the fp32 gradients (4B/W) exist from backward to the
   step, when the activations are gone. Under bf16-pure all three are bf16 (6B/W kept, 2B/W gradients). The
   gathered bf16 copies of the output head and of the block in flight are a transient; with
-  reshardAfterForward false every block's stays gathered (2 bytes per block parameter, unsharded). cpuOffload keeps all of the state in host memory.
+  reshardAfterForward false every block's stays gathered (2 bytes per block parameter, unsharded).
+  cpuOffload keeps all of the state in host memory.
 - ZeRO-2: bf16 parameters on every process (2B), fp32 master 4B/W and moments 8B/W; cpuOffloadOptimizer
   moves the last two to the host.
 - LoRA: the frozen base in bf16 (sharded under FSDP2, whole under ZeRO-2) or, with an NF4 base, its

@@ -162,7 +162,7 @@ class OptimizerConfig(Model):
 
     name: Literal["adamw"] = Field(
         "adamw",
-        description="Optimizer; AdamW (torch's, fused on GPU; under precision bf16-pure torchao's, stochastically "
+        description="Optimizer; AdamW (torch's fused kernel; under precision bf16-pure torchao's, stochastically "
         "rounded).",
     )
     lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate.")

@@ -29,8 +29,9 @@ class FsdpOptions(Model):
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="Dtype of the gradient reduce-scatter (and of the replicas' all-reduce under hybrid), at any "
-        "precision: bf16 halves the bytes on the wire and rounds the summed gradients, fp32 keeps the sum exact.",
-    )
+        "precision: bf16 halves the bytes on the wire and rounds the summed gradients, fp32 keeps the sum exact. "
+        "A run of one process sums nothing, and its gradients keep the dtype backward made them in.",
+    )  # fmt: skip
     shard: Literal["full", "hybrid"] = Field(
         "full",
         description="full: shard over every process; hybrid: shard within each node and replicate across nodes "

@@ -322,9 +322,13 @@ def test_a_checkpoint_damaged_while_suspended_is_set_aside_and_the_one_before_re
     data[len(data) // 2] ^= 0xFF  # bit rot on the claim while nothing ran
     shard.write_bytes(bytes(data))
 
+    # The resumed leg only has to pass the damaged step: the run is cut short while suspended (the resume reads
+    # the edited config), as in the suspend test.
+    jobs.patch(name, {"trainer": {"steps": newest + 4}})
     jobs.patch(name, {"runPolicy": {"suspend": False}})
     status = jobs.wait(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), what="finished")
     assert status["phase"] == "Succeeded" and status["restarts"] == 0, jobs.explain(name)
+    assert status["progress"]["step"] == newest + 4
     assert status["resumedFrom"]["step"] == previous  # the damaged one was skipped, and status says from where
     jobs.event_reasons(name, until=lambda r: "CheckpointSetAside" in r)
     aside = [json.loads(line[8:]) for line in jobs.logs(name).splitlines() if '"event": "set_aside"' in line]

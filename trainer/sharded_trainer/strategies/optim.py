@@ -17,7 +17,10 @@ def adamw_kwargs(o: OptimizerConfig) -> dict:
 def make_optimizer(params, cfg: TrainerConfig, device: torch.device) -> torch.optim.Optimizer:
     if cfg.precision == "bf16-pure":
         return stochastic_adamw(params, cfg.optimizer, device)
-    return torch.optim.AdamW(params, **adamw_kwargs(cfg.optimizer), fused=device.type == "cuda")
+    # Fused on the CPU too (torch has a fused CPU kernel): the loop of single-tensor updates costs every
+    # parameter about twenty dispatches, through DTensor's under FSDP2 (a tiny model's step on CPU: 78 ms
+    # single-tensor, 47 ms fused, the same losses).
+    return torch.optim.AdamW(params, **adamw_kwargs(cfg.optimizer), fused=True)
 
 
 def stochastic_adamw(params, o: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:

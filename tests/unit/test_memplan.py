@@ -206,7 +206,7 @@ def test_bf16_pure_keeps_eight_bytes_per_parameter_and_auto_keeps_it_on_fsdp2_wi
     one = Job(shape, 1, 4, 2048, pure_bf16=True)
     estimates, chosen = memplan.plan(one, 80 * GIB)
     assert chosen is not None and chosen.setting == Setting("fsdp", checkpointing=True)
-    assert chosen.peak == pytest.approx(61.2 * GIB, abs=0.05 * GIB)
+    assert chosen.peak == pytest.approx(65.1 * GIB, abs=0.05 * GIB)  # the state, gradients and root's reduce
     assert all(e.setting.strategy == "fsdp" for e in estimates)
     assert "not with bf16-pure" in memplan.table(one, 80 * GIB) and "zero2" not in memplan.table(one, 80 * GIB)
     settled, why = autoplan.settle(auto_config(precision="bf16-pure"), 1, 80 * GIB)

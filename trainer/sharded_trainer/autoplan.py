@@ -45,7 +45,7 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
     return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
                bool(lora and lora.quantize_base), compile=compiled, rows=2 if dpo else 1,
                reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy",
-               pure_bf16=pure)  # fmt: skip
+               pure_bf16=pure, reduce_bf16=cfg.strategy.fsdp.reduce_dtype == "bf16")  # fmt: skip
 
 
 def host_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> float | None:

@@ -243,6 +243,8 @@ class Job:
     reference_copy: bool = False
     # precision bf16-pure (FSDP2): bf16 parameters and moments, no fp32 master; bf16 gradients.
     pure_bf16: bool = False
+    # strategy.fsdp.reduceDtype bf16: FSDP2's gradient reduce buffers in bf16 rather than fp32.
+    reduce_bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -301,7 +303,15 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         load = s.params * 2 + s.layers * s.block_linear_params * NF4_BYTES + 6 * trained
     if job.reference_forward:
         transient += tokens * s.vocab * REFERENCE_LOGIT_BYTES
-    peak = max(kept + act + transient, kept + grads + transient, load)
+    # FSDP2 reduces the root's gradients (embeddings, final norm, output head) last, through buffers of the
+    # reduce dtype: the bf16 gradients and the reduce input, then the input and the output (its 1/W part, a
+    # copy on one process). One process keeps backward's bf16 (measured: 8B bf16-pure on one GPU peaked 7.9 GiB
+    # above its state and gradients with fp32 buffers, 8 bytes per root parameter).
+    reduce = 0.0
+    if fsdp and job.lora_r is None and not setting.offload:
+        r = 2 if w == 1 or job.reduce_bf16 else 4
+        reduce = (s.embedding * (1 if s.tied else 2) + s.hidden) * max(2 + r, r + r / w)
+    peak = max(kept + act + transient, kept + grads + transient + reduce, load)
     # Offloaded, the state lives in host memory instead: FSDP2's sharded fp32 parameters, gradients and Adam's
     # moments (and a frozen base's shard); DeepSpeed's CPU Adam the fp32 master, the moments and the fp32
     # gradient partition, with its staging buffers (OFFLOAD_HOST_BYTES).

@@ -48,7 +48,8 @@ def apply_fsdp(
     # there they stay in the dtype backward made them in (the same numbers; under bf16-pure 8 bytes of traffic
     # per parameter instead of 20).
     compute = None if param_dtype == torch.float32 else param_dtype
-    reduce = DTYPES[options.reduce_dtype] if mesh.size() > 1 else None
+    world = mesh.size() if mesh is not None else torch.distributed.get_world_size()  # None: FSDP2's default mesh
+    reduce = DTYPES[options.reduce_dtype] if world > 1 else None
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
     # Pinned host memory needs a GPU; on a CPU-only run the offload has nowhere to move anything.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())

@@ -26,7 +26,7 @@ def make_optimizer(params, cfg: TrainerConfig, device: torch.device) -> torch.op
 def stochastic_adamw(params, o: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over bf16 weights: torchao's, which computes each update in fp32 and rounds the new weight to bf16
     stochastically (up with the probability of the dropped fraction), so the expected weight is the fp32 one.
-    Rounded to nearest, an update under half of bf16's spacing (1/256 of the weight) is lost every step, and a
+    Rounded to nearest, an update under half of bf16's spacing (1/512 to 1/256 of the weight) is lost, and a
     small learning rate stops training. Its moments are bf16 too: 8 bytes per parameter in all.
 
     torchao compiles the step once per parameter shape; on a CPU (tests, CI) that is a C++ build per shape,

@@ -9,7 +9,6 @@ Prints, per arm, the memory the step allocates above the state it keeps and the 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -21,9 +20,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torchao.optim import _AdamW
 
 rows, cols = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (128256, 4096)
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29631")
-dist.init_process_group("nccl", rank=0, world_size=1)
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29631", rank=0, world_size=1)
 mesh = init_device_mesh("cuda", (1,))
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from sharded_api.contract import UserEnv
-from sharded_trainer.memplan import GIB, SETTINGS, Job, estimate, load_shape, plan, strategy_types
+from sharded_trainer.memplan import GIB, SETTINGS, Job, estimate, load_shape, plan
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,13 @@ def records(paths) -> list[dict]:
 
 
 def job_of(r: dict) -> Job:
-    return Job(load_shape(r["shape"]), 1, r["batch"], r["seq"], 16 if r["lora"] else None, r["lora"] == "qlora")
+    return Job(load_shape(r["shape"]), 1, r["batch"], r["seq"], 16 if r["lora"] else None, r["lora"] == "qlora",
+               precision=r["precision"])
 
 
 def choice_now(r: dict) -> str | None:
     """What the current rule picks for a case (what settle picks, from the same job, precision and limit)."""
-    _, chosen = plan(job_of(r), (r["limit_gib"] or 139.8) * GIB, strategy_types(r["precision"]))
+    _, chosen = plan(job_of(r), (r["limit_gib"] or 139.8) * GIB)
     return chosen.setting.label if chosen else None
 
 

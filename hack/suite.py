@@ -50,6 +50,8 @@ LANES = {
     "lane3": ["tests/integration", "tests/realnode", "tests/soak", *SHARED_RUNS],
 }
 # What the lanes run together: the whole suite, collected once for the floor.
+# How much of a failed test's report the summary repeats (the end of the traceback and the job's log tails).
+REPORT_LINES = 120
 TIERS = ["tests/unit", "tests/trainer", "tests/integration", "tests/realnode", "tests/e2e", "tests/soak"]
 
 
@@ -85,14 +87,17 @@ def totals(junit: Path) -> dict[str, int]:
     return n
 
 
-def failures(junit: Path) -> list[str]:
-    """Each failed or erroring test of a lane's results, with the first line of why: printed last, so the
-    tail of a long run's output still names them."""
+def failures(junit: Path) -> list[tuple[str, str]]:
+    """Each failed or erroring test of a lane's results: its one line (the test and the first line of why,
+    printed last, so the tail of a long run's output still names them) and the tail of its report (the
+    assertion with what the test printed of the job's logs), printed before: a clean clone's lane logs go
+    with it, and a failure seen once must be readable from the output alone."""
     out = []
     for case in ET.parse(junit).getroot().iter("testcase"):
         for bad in (*case.findall("failure"), *case.findall("error")):
             why = (bad.get("message") or bad.text or "").strip().splitlines()
-            out.append(f"{case.get('classname')}::{case.get('name')} [{bad.tag}] {why[0][:300] if why else ''}")
+            line = f"{case.get('classname')}::{case.get('name')} [{bad.tag}] {why[0][:300] if why else ''}"
+            out.append((line, "\n".join((bad.text or "").strip().splitlines()[-REPORT_LINES:])))
     return out
 
 
@@ -184,11 +189,13 @@ def main(extra: list[str]) -> int:
         if junit.exists():
             for k, v in totals(junit).items():
                 n[k] += v
-            bad += [f"[{name}] {line}" for line in failures(junit)]
+            bad += [(f"[{name}] {line}", report) for line, report in failures(junit)]
             names += ran(junit)
     twice = sorted(t for t, k in Counter(names).items() if k > 1)
+    for line, report in bad:
+        print(f"\n[suite] ---- {line}\n{report}")
     if bad:
-        print("[suite] failed (the lane's log in build/ has the whole report):\n  " + "\n  ".join(bad))
+        print("[suite] failed (the lane's log in build/ has the whole report):\n  " + "\n  ".join(b[0] for b in bad))
     failed = n["failures"] + n["errors"]
     # With -k or -x a lane runs less on purpose (or nothing: pytest's exit 5 is then no failure).
     ran_all = (n["tests"] >= want or bool(extra)) and not twice

@@ -73,6 +73,8 @@ class ModelConfig(Model):
 
 
 RECORD_SOURCES = ("jsonl", "parquet", "arrow")
+# The precision that keeps no fp32 master (the Literal below spells it too: a type checker reads only literals).
+PURE_BF16 = "bf16-pure"
 
 
 class DataConfig(Model):
@@ -290,6 +292,10 @@ class TrainingSpec(Model):
         "Hugging Face directory under export/ next to the checkpoints; status names its path.",
     )
 
+    @property
+    def pure_bf16(self) -> bool:
+        return self.precision == PURE_BF16
+
 
 class CheckpointPolicy(Model):
     """How often the trainer saves, how many it keeps, and whether it resumes."""
@@ -326,7 +332,7 @@ class TrainerConfig(TrainingSpec):
             "precision", "bf16-pure is full fine-tuning under FSDP2 on the GPU (ZeRO-2 keeps its own fp32 master; "
             "LoRA adapters already train in fp32 over a bf16 base): use strategy.type fsdp or auto, without lora "
             "and strategy.fsdp.cpuOffload, or use precision bf16",
-            At("precision").eq("bf16-pure").implies(
+            At("precision").eq(PURE_BF16).implies(
                 At("strategy.type").ne("zero2") & ~Has("lora") & At("strategy.fsdp.cpuOffload").ne(True)
             ),
             good=({"precision": "bf16-pure", "strategy": {"type": "auto", "fsdp": {"cpuOffload": False}}},

@@ -74,9 +74,9 @@ def test_cpu_job_falls_back_to_gloo_and_hides_gpus():
     env = env_of(podspec.build_pod(job, 0, 1, SETTINGS))
     assert env["PET_NPROC_PER_NODE"] == str(SETTINGS.cpu_procs_per_node)
     assert env["CUDA_VISIBLE_DEVICES"] == ""
-    assert children.backend(job) == "gloo"
-    assert children.trainer_config(job).backend == "gloo"
-    assert children.backend(make_job().gpus(1).model()) == "nccl"
+    assert children.backend(job.spec) == "gloo"
+    assert children.trainer_config(job.spec).backend == "gloo"
+    assert children.backend(make_job().gpus(1).model().spec) == "nccl"
 
 
 @pytest.mark.parametrize(
@@ -151,10 +151,10 @@ def test_an_elastic_job_keeps_the_batch_of_its_full_size_unless_told_otherwise()
     """elastic.keepGlobalBatch (default): the trainer is told to keep maxNodes' batch; an explicit
     trainer.globalBatchSize, or keepGlobalBatch false, leaves it alone; a fixed-size job keeps nothing."""
     elastic = {"minNodes": 2, "maxNodes": 4}
-    assert children.trainer_config(make_job().nodes(3).spec("elastic", elastic).model()).batch_nodes == 4
+    assert children.trainer_config(make_job().nodes(3).spec("elastic", elastic).model().spec).batch_nodes == 4
     off = make_job().nodes(3).spec("elastic", {**elastic, "keepGlobalBatch": False}).model()
-    assert children.trainer_config(off).batch_nodes is None
-    assert children.trainer_config(make_job().nodes(3).model()).batch_nodes is None
+    assert children.trainer_config(off.spec).batch_nodes is None
+    assert children.trainer_config(make_job().nodes(3).model().spec).batch_nodes is None
 
 
 @pytest.mark.parametrize("value", ["yes", 2, None, [True]])

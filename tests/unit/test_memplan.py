@@ -152,6 +152,16 @@ def test_sharded_plan_reads_the_job_from_its_manifest(tmp_path):
     changed = sharded("plan", "-f", "examples/fsdp-8gpu-infiniband.yaml", "--gpu-memory", "80Gi",
                       "--set", "trainer.microBatchSize=64")  # fmt: skip
     assert "micro-batch 64 x seq 2048" in changed.stdout and "nothing fits" in changed.stdout
+    # The manifest's precision is what auto would plan with: bf16-pure's state, FSDP2's settings only.
+    pure = sharded("plan", "-f", "examples/fsdp-8gpu-infiniband.yaml", "--gpu-memory", "80Gi",
+                   "--set", "trainer.precision=bf16-pure")  # fmt: skip
+    assert pure.returncode == 0, pure.stderr
+    assert ", bf16-pure;" in pure.stdout and "zero2" in out.stdout and "zero2" not in pure.stdout
+
+    def state(text: str) -> float:  # the state column of the plain FSDP2 row, GiB
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("fsdp ")))
+
+    assert state(pure.stdout) == pytest.approx(state(out.stdout) / 2, abs=0.1)
 
     on_claim = sharded("plan", "-f", "examples/qwen-qlora-chat.yaml", "--gpu-memory", "80Gi")
     assert on_claim.returncode == 1 and "give --model with a local copy" in on_claim.stderr
@@ -198,12 +208,12 @@ def test_bf16_pure_keeps_eight_bytes_per_parameter_and_auto_keeps_it_on_fsdp2_wi
     """bf16 weights, gradients and moments: the state is half of mixed precision's; auto chooses among FSDP2's
     settings only, and never one that offloads (the rule on precision)."""
     shape = load_shape("llama-8b")
-    mixed, pure = Job(shape, 8, 4, 2048), Job(shape, 8, 4, 2048, pure_bf16=True)
+    mixed, pure = Job(shape, 8, 4, 2048), Job(shape, 8, 4, 2048, precision="bf16-pure")
     plain = Setting("fsdp")
     assert estimate(mixed, plain).state == pytest.approx(16 * shape.params / 8)
     assert estimate(pure, plain).state == pytest.approx(8 * shape.params / 8)
     assert memplan.strategy_types("bf16-pure") == {"fsdp"}
-    one = Job(shape, 1, 4, 2048, pure_bf16=True)
+    one = Job(shape, 1, 4, 2048, precision="bf16-pure")
     estimates, chosen = memplan.plan(one, 80 * GIB)
     assert chosen is not None and chosen.setting == Setting("fsdp", checkpointing=True)
     assert chosen.peak == pytest.approx(65.1 * GIB, abs=0.05 * GIB)  # the state, gradients and root's reduce

@@ -25,12 +25,23 @@ class Operator:
     def __init__(self, delay: float = 0.0, acknowledge: int | None = None):
         self.posts: list[tuple[dict, dict]] = []
         self.delay, self.acknowledge = delay, acknowledge
+        # Answers before the next 200s, in order: an HTTP status, or None for a connection dropped unanswered.
+        self.faults: list[int | None] = []
+        self.tried: list[int] = []  # the step of every post, answered or not
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 time.sleep(outer.delay)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.tried.append(body["step"])
+                if outer.faults:
+                    fault = outer.faults.pop(0)
+                    if fault is None:
+                        self.close_connection = True
+                        return
+                    self.send_error(fault, "not now")
+                    return
                 outer.posts.append((dict(self.headers), body))
                 answer = json.dumps({"acknowledged": outer.acknowledge or 0, "written": True}).encode()
                 self.send_response(200)
@@ -139,6 +150,31 @@ def test_a_report_skipped_while_one_is_in_flight_is_sent_by_flush(operator):
     reporter.flush()
     assert [b["step"] for b in operator.bodies()] == [1, 2]
     assert operator.bodies()[-1]["events"][-1]["type"] == "CheckpointCommitted"
+
+
+def test_a_final_report_whose_post_failed_is_sent_again_until_the_operator_takes_it(operator):
+    """The last report's post dropped unanswered (the operator away, or too slow for the post's timeout),
+    then shed with 503 and rate-limited with 429: the flush sends it again until it is taken."""
+    operator.faults = [None, 503, 429]
+    reporter = ProgressReporter(target(operator.url), total_steps=10)
+    reporter.update(step=10)  # in flight on its own thread: its post is the one dropped
+    reporter.flush(seconds=30)
+    assert operator.tried == [10, 10, 10, 10] and [b["step"] for b in operator.bodies()] == [10]
+    reporter.flush(seconds=30)  # taken: nothing is sent again
+    assert len(operator.tried) == 4
+
+
+def test_a_refused_report_is_not_sent_again_and_an_absent_operator_costs_the_flush_its_bound(operator, capsys):
+    operator.faults = [403]
+    reporter = ProgressReporter(target(operator.url), total_steps=10)
+    reporter.update(step=3)
+    reporter.flush(seconds=30)
+    assert operator.tried == [3] and "refused" in capsys.readouterr().err  # sending it again changes nothing
+    operator.faults = [None] * 1000
+    reporter.update(step=4)
+    reporter.flush(seconds=1)
+    assert operator.tried.count(4) >= 2 and not operator.bodies()
+    assert "the last progress report did not reach" in capsys.readouterr().err
 
 
 def test_the_pod_environment_names_the_target_and_its_token(monkeypatch, capsys):

@@ -37,7 +37,7 @@ def test_a_tier_below_its_floor_is_named_and_one_at_or_above_passes():
     assert floor_shortfalls(floor, {"unit": {"tests": 9, "functions": 9}, "e2e": {"tests": 1, "functions": 1}}) == []
 
 
-def test_the_suite_names_each_failed_test_with_the_first_line_of_why(tmp_path):
+def test_the_suite_names_each_failed_test_with_the_first_line_of_why_and_the_tail_of_its_report(tmp_path):
     import importlib.util
     from pathlib import Path
 
@@ -47,14 +47,16 @@ def test_the_suite_names_each_failed_test_with_the_first_line_of_why(tmp_path):
     junit = tmp_path / "junit.xml"
     junit.write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="1">'
-        '<testcase classname="tests.soak.test_soak" name="test_soak"><failure message="assert 1 == 2&#10;more">tb'
-        '</failure></testcase><testcase classname="tests.e2e.t" name="test_e"><error message="">boom&#10;x</error>'
+        '<testcase classname="tests.soak.test_soak" name="test_soak"><failure message="assert 1 == 2&#10;more">'
+        + "&#10;".join(f"tb{i}" for i in range(suite.REPORT_LINES + 5))
+        + '</failure></testcase><testcase classname="tests.e2e.t" name="test_e"><error message="">boom&#10;x</error>'
         '</testcase><testcase classname="tests.unit.t" name="test_ok"/></testsuite></testsuites>'
     )
-    assert suite.failures(junit) == [
-        "tests.soak.test_soak::test_soak [failure] assert 1 == 2",
-        "tests.e2e.t::test_e [error] boom",
-    ]
+    soak, e2e = suite.failures(junit)
+    assert soak[0] == "tests.soak.test_soak::test_soak [failure] assert 1 == 2"
+    # The report's end (where the assertion and the job's logs are), not its start.
+    assert soak[1].splitlines() == [f"tb{i}" for i in range(5, suite.REPORT_LINES + 5)]
+    assert e2e == ("tests.e2e.t::test_e [error] boom", "boom\nx")
     assert suite.totals(junit) == {"tests": 3, "failures": 1, "errors": 1, "skipped": 0, "passed": 1}
 
 

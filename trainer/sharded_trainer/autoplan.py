@@ -23,8 +23,25 @@ from sharded_trainer.memplan import GIB, HEADROOM, MARGIN, SETTINGS, Job, NotMod
 UNLIMITED = 1 << 60
 
 
-def job_of(cfg: TrainerConfig, world: int) -> Job:
-    """The memory model's view of a trainer config run by `world` processes."""
+def job_of(cfg: TrainerConfig, world: int, shape: memplan.Shape | None = None) -> Job:
+    """The memory model's view of a trainer config run by `world` processes; the model's shape read from the
+    config's model unless given (`sharded plan --model`: a local copy of a claim's config.json)."""
+    if shape is None:
+        shape = model_shape(cfg)
+    lora, dpo = cfg.lora, cfg.objective.type == "dpo"
+    reference = reference_kind(cfg.objective.dpo_settings, lora is not None) if dpo else None
+    # Compiled blocks keep fewer activations. auto may pick either strategy, so the plan counts them compiled
+    # only when both strategies' options compile (bf16-pure is FSDP2's alone: its setting alone counts): a
+    # setting it picks is then never short of memory.
+    compiled = cfg.strategy.fsdp.compile and (cfg.pure_bf16 or cfg.strategy.zero2.compile)
+    return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
+               bool(lora and lora.quantize_base), compile=compiled, rows=2 if dpo else 1,
+               reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy",
+               precision=cfg.precision, reduce_bf16=cfg.strategy.fsdp.reduce_dtype == "bf16")  # fmt: skip
+
+
+def model_shape(cfg: TrainerConfig) -> memplan.Shape:
+    """The shape of the config's model (a preset, or a Hugging Face directory's config.json)."""
     model = cfg.model.huggingface.path if cfg.model.huggingface else cfg.model.preset
     if model is None:
         raise ConfigError("strategy.type auto needs model.preset or model.huggingface")
@@ -36,16 +53,7 @@ def job_of(cfg: TrainerConfig, world: int) -> Job:
         raise ConfigError(f"strategy.type auto: {e}; set strategy.type to fsdp or zero2") from None
     except ValueError as e:
         raise ConfigError(f"model.huggingface.path: {e}") from None
-    lora, dpo = cfg.lora, cfg.objective.type == "dpo"
-    reference = reference_kind(cfg.objective.dpo_settings, lora is not None) if dpo else None
-    # Compiled blocks keep fewer activations. auto may pick either strategy, so the plan counts them compiled
-    # only when both strategies' options compile: a setting it picks is then never short of memory.
-    pure = cfg.precision == "bf16-pure"  # FSDP2 only: its compile setting alone counts
-    compiled = cfg.strategy.fsdp.compile and (pure or cfg.strategy.zero2.compile)
-    return Job(shape, world, cfg.micro_batch_size, cfg.seq_len, lora.r if lora else None,
-               bool(lora and lora.quantize_base), compile=compiled, rows=2 if dpo else 1,
-               reference_forward=reference in ("adapters", "copy"), reference_copy=reference == "copy",
-               pure_bf16=pure, reduce_bf16=cfg.strategy.fsdp.reduce_dtype == "bf16")  # fmt: skip
+    return shape
 
 
 def host_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -100,7 +108,7 @@ def settle(
             f"auto: {chosen.label} (no GPU: no memory bound{keeping})"
         )
     job = job_of(cfg, world)
-    estimates, chosen = plan(job, gpu_bytes, types, host_bytes)
+    estimates, chosen = plan(job, gpu_bytes, kept, host_bytes)
     estimates = [e for e in estimates if memplan.allowed(job, e.setting)]
     host = f" and {MARGIN * host_bytes / GIB:.1f} GiB of host memory per process" if host_bytes else ""
     if chosen is None:

@@ -34,6 +34,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from sharded_api.config import PURE_BF16
 from sharded_api.presets import PRESETS
 from sharded_api.strategy import StrategyConfig
 
@@ -241,10 +242,15 @@ class Job:
     reference_forward: bool = False
     # DPO's reference as a frozen copy of the model: its bf16 parameters, sharded as the policy's are.
     reference_copy: bool = False
-    # precision bf16-pure (FSDP2): bf16 parameters and moments, no fp32 master; bf16 gradients.
-    pure_bf16: bool = False
+    # The trainer's precision: under bf16-pure (FSDP2) bf16 parameters and moments, no fp32 master, bf16
+    # gradients; the others keep the fp32 master and its state.
+    precision: str = "bf16"
     # strategy.fsdp.reduceDtype bf16: FSDP2's gradient reduce buffers in bf16 rather than fp32.
     reduce_bf16: bool = False
+
+    @property
+    def pure_bf16(self) -> bool:
+        return self.precision == PURE_BF16
 
 
 @dataclass(frozen=True)
@@ -329,11 +335,12 @@ def allowed(job: Job, setting: Setting) -> bool:
 
 
 def plan(
-    job: Job, gpu_bytes: float, types: frozenset[str] = frozenset({"fsdp", "zero2"}), host_bytes: float | None = None
+    job: Job, gpu_bytes: float, kept: str | None = None, host_bytes: float | None = None
 ) -> tuple[list[Estimate], Estimate | None]:
-    """The estimate of every setting of `types`, and the fastest allowed one that fits (None: none fits): in
-    the GPU's memory and, when `host_bytes` (host memory per process) is known, in the host's too."""
-    types = types & {"fsdp"} if job.pure_bf16 else types  # bf16-pure is FSDP2's (the rule on precision)
+    """The estimate of every setting of the strategies the job may use (strategy_types), and the fastest allowed
+    one that fits (None: none fits): in the GPU's memory and, when `host_bytes` (host memory per process) is
+    known, in the host's too."""
+    types = strategy_types(job.precision, kept)
     estimates = [estimate(job, st) for st in SETTINGS if st.strategy in types]
     fits = [e for e in estimates if fits_gpu(e, gpu_bytes) and fits_host(e, host_bytes) and allowed(job, e.setting)]
     return estimates, (fits[0] if fits else None)
@@ -353,7 +360,7 @@ def strategy_types(precision: str, kept: str | None = None) -> frozenset[str]:
     not interchangeable), only ZeRO-2 under fp16 (FSDP2 has no loss scaler), only FSDP2 under bf16-pure."""
     if kept:
         return frozenset({kept})
-    return frozenset({"zero2"} if precision == "fp16" else {"fsdp"} if precision == "bf16-pure" else {"fsdp", "zero2"})
+    return frozenset({"zero2"} if precision == "fp16" else {"fsdp"} if precision == PURE_BF16 else {"fsdp", "zero2"})
 
 
 def usable(gpu_bytes: float) -> float:
@@ -369,6 +376,7 @@ def table(job: Job, gpu_bytes: float, host_bytes: float | None = None) -> str:
         + (f", LoRA r{job.lora_r}" + (" on an NF4 base" if job.nf4 else "") if job.lora_r else ", full fine-tuning"),
         f"{job.world} processes, micro-batch {job.micro_batch} x seq {job.seq}"
         + (", compiled" if job.compile else "")
+        + (", bf16-pure" if job.pure_bf16 else "")
         + f"; GPU {gpu_bytes / GIB:.0f} GiB, fits under {usable(gpu_bytes) / GIB:.1f} GiB "
         f"({MARGIN:.0%} less {HEADROOM / GIB:g} GiB)"
         + (f"; host {host_bytes / GIB:.0f} GiB per process" if host_bytes else ""),

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from sharded_api.config import TrainerConfig
 from sharded_api.objective import reference_kind as objective_reference
 from sharded_trainer.data.sources import IGNORE, Batch, PairBatch, collate
-from sharded_trainer.modeling.decoder import DTYPES, Network
+from sharded_trainer.modeling.decoder import DTYPES, Network, cast_parameters
 from sharded_trainer.modeling.dpo import pair_loss, pair_rows, sequence_logps
 from sharded_trainer.modeling.loss import loss_function
 
@@ -145,11 +145,8 @@ def frozen_copy(cfg: TrainerConfig, place) -> tuple[Network, torch.nn.Module]:
     from sharded_trainer.modeling.build import build_network
 
     net = build_network(cfg.model_copy(update={"lora": None}))
-    dtype = DTYPES[cfg.precision]
-    with torch.no_grad():
-        for param in net.module.parameters():
-            param.requires_grad_(False)
-            param.data = param.data.to(dtype)
+    net.module.requires_grad_(False)
+    cast_parameters(net.module, DTYPES[cfg.precision])
     module = place(net)
     module.eval()
     return net, module

@@ -143,8 +143,9 @@ def show(job: Job, output: str) -> str:
 
 def plan(a: argparse.Namespace) -> int:
     """The trainer's memory model for a job as its manifest (and --set) describes it: nodes, processes,
-    micro-batch, seq, LoRA. The model's shape comes from a preset or a local copy of its config.json."""
-    from sharded_trainer import memplan  # pure Python, no torch for a model directory
+    micro-batch, seq, precision, LoRA, DPO. The model's shape comes from a preset or a local copy of its config.json."""
+    from sharded_operator.render.children import trainer_config
+    from sharded_trainer import autoplan, memplan  # pure Python, no torch for a model directory
 
     try:
         spec = ShardedTrainingJobSpec.model_validate(manifest(a).get("spec") or {})
@@ -158,9 +159,8 @@ def plan(a: argparse.Namespace) -> int:
         raise JobError(f"{e}; the job's model directory is on its claim: give --model with a local copy of its "
                        "config.json") from None  # fmt: skip
     procs = spec.procs_per_node if spec.procs_per_node != "auto" else max(gpus, 1)
-    lora = trainer.lora
-    job = memplan.Job(shape, spec.nodes * procs, trainer.micro_batch_size, trainer.seq_len,
-                      lora.r if lora else None, bool(lora and lora.quantize_base))  # fmt: skip
+    # What auto plans with at the job's start: precision, compile, LoRA, NF4, DPO's reference, reduce dtype.
+    job = autoplan.job_of(trainer_config(spec), spec.nodes * procs, shape)
     try:
         gpu = memory_bytes(a.gpu_memory)
     except ValueError as e:

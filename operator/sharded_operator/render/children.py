@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from sharded_api.config import CheckpointConfig, TrainerConfig
-from sharded_operator.api.models import ANNOTATION_CREATED_BY, ShardedTrainingJob
+from sharded_operator.api.models import ANNOTATION_CREATED_BY, ShardedTrainingJob, ShardedTrainingJobSpec
 from sharded_operator.render.names import job_labels, job_name, pvc_name
 from sharded_operator.settings import OperatorSettings
 
@@ -23,20 +23,18 @@ def config_map_name(job: ShardedTrainingJob) -> str:
 
 
 def config_digest(job: ShardedTrainingJob) -> str:
-    rendered = trainer_config(job).model_dump_json(by_alias=True, exclude_none=True)
+    rendered = trainer_config(job.spec).model_dump_json(by_alias=True, exclude_none=True)
     return hashlib.sha256(rendered.encode()).hexdigest()[:10]
 
 
-def backend(job: ShardedTrainingJob) -> str:
-    s = job.spec
+def backend(s: ShardedTrainingJobSpec) -> str:
     if s.network.backend != "auto":
         return s.network.backend
     return "nccl" if s.resources.gpus_per_node > 0 else "gloo"
 
 
-def trainer_config(job: ShardedTrainingJob) -> TrainerConfig:
+def trainer_config(s: ShardedTrainingJobSpec) -> TrainerConfig:
     """The full trainer config the pods read: the spec's training part plus strategy, storage and backend."""
-    s = job.spec
     checkpoint = CheckpointConfig()
     if s.checkpoint:
         policy = s.checkpoint.model_dump(include={"interval", "keep_last", "async_save", "resume"})
@@ -44,7 +42,7 @@ def trainer_config(job: ShardedTrainingJob) -> TrainerConfig:
     # An elastic job keeps its full size's batch; the processes per node are known to the trainer only.
     batch_nodes = s.elastic.max_nodes if s.elastic and s.elastic.keep_global_batch else None
     return TrainerConfig(
-        **s.trainer.model_dump(), strategy=s.strategy, checkpoint=checkpoint, backend=backend(job),
+        **s.trainer.model_dump(), strategy=s.strategy, checkpoint=checkpoint, backend=backend(s),
         batch_nodes=batch_nodes,
     )  # fmt: skip
 
@@ -55,7 +53,7 @@ _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 def build_config_map(job: ShardedTrainingJob, settings: OperatorSettings) -> dict[str, Any]:
     """The trainer config, under the file name the pods read it as (settings.trainer_config_path)."""
-    cfg = trainer_config(job).model_dump(by_alias=True, exclude_none=True, mode="json")
+    cfg = trainer_config(job.spec).model_dump(by_alias=True, exclude_none=True, mode="json")
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -11,11 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sharded_api.config import TrainerConfig
+from sharded_api.config import PURE_BF16, TrainerConfig
 from sharded_api.presets import PRESETS, ModelArgs
 
 # bf16-pure computes in bf16 too; it differs in what is stored (no fp32 master) and how the optimizer rounds.
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bf16-pure": torch.bfloat16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, PURE_BF16: torch.bfloat16}
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter of `module` held in `dtype` from now on (bf16-pure's weights, or a frozen copy's); the
+    buffers keep theirs (a RoPE table in bf16 turns late positions' angles)."""
+    with torch.no_grad():
+        for param in module.parameters():
+            param.data = param.data.to(dtype)
 
 
 def model_args(preset: str, vocab_size: int | None = None, max_seq_len: int | None = None) -> ModelArgs:

@@ -246,7 +246,7 @@ def base_dtype(cfg: TrainerConfig) -> torch.dtype:
     assert spec is not None
     if spec.dtype != "auto":
         return DTYPES[spec.dtype]
-    if cfg.lora is not None or cfg.strategy.type == "zero2" or cfg.precision == "bf16-pure":
+    if cfg.lora is not None or cfg.strategy.type == "zero2" or cfg.pure_bf16:
         return DTYPES[cfg.precision]
     return torch.float32
 

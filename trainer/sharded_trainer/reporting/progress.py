@@ -4,7 +4,9 @@ The post runs on a background thread, at most once per `MIN_INTERVAL`, and is sk
 previous one is in flight, so a slow or unreachable operator never stalls training; the next report
 carries whatever was skipped (progress is a state, and events ride along until the operator answers
 that they are in the job's status). Each post carries the pod's projected token, read anew every time
-(the kubelet rotates it), and stays within `MAX_REPORT_BYTES` by leaving the oldest events out.
+(the kubelet rotates it), and stays within `MAX_REPORT_BYTES` by leaving the oldest events out. At the
+end, `flush` delivers the newest report, sending it again while the operator cannot be reached or asks to
+retry, for at most `FLUSH_SECONDS`: the job's status shows the last step.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ def target_from_env() -> ReportTarget | None:
 
 
 MIN_INTERVAL = 1.0  # seconds between posts; the operator limits each pod's rate too
+# How long a flush may try to deliver the final report: the operator answers the last step only once it is in
+# the job's status (an API write), which on a loaded machine outlasts one post's timeout; well inside the
+# restart grace period (30 s) that follows a stop.
+FLUSH_SECONDS = 15.0
+# Answers worth trying again: rate-limited, or the operator shedding work.
+RETRY_STATUSES = (429, 503)
 
 
 def log(msg: str) -> None:
@@ -94,6 +102,8 @@ class ProgressReporter:
         self._last_post = float("-inf")
         self._posting: threading.Thread | None = None
         self._unsent: bytes | None = None  # the newest report, when it was skipped for one in flight
+        self._newest: bytes | None = None  # the newest report made, and the newest the operator answered
+        self._answered: bytes | None = None
 
     @property
     def enabled(self) -> bool:
@@ -136,7 +146,7 @@ class ProgressReporter:
             tmp.write_text(progress.model_dump_json(by_alias=True, exclude_none=True))
             os.replace(tmp, self.path)
         if self.target:
-            body = self._body(progress)
+            body = self._newest = self._body(progress)
             busy = self._posting is not None and self._posting.is_alive()
             if busy or time.monotonic() - self._last_post < MIN_INTERVAL:
                 self._unsent = body  # the next update or flush sends the newest state
@@ -175,7 +185,9 @@ class ProgressReporter:
             log(f"leaving {sorted(bad)} out of the progress report: {e.errors()[0]['msg']}")
             return TrainingProgress.model_validate({k: v for k, v in fields.items() if k not in bad})
 
-    def _post(self, body: bytes) -> None:
+    def _post(self, body: bytes, timeout: float = 5.0) -> None:
+        """One post of `body`; `_answered` becomes it once the operator has answered it for good (taken, or
+        refused for a reason that sending it again would not change)."""
         assert self.target is not None
         url, headers = self.target.url, {"Content-Type": "application/json"}
         if self.target.token_file:
@@ -185,24 +197,35 @@ class ProgressReporter:
                 log(f"cannot read the progress token {self.target.token_file}: {e}")
         req = urllib.request.Request(url, data=body, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=5) as reply:
+            with urllib.request.urlopen(req, timeout=timeout) as reply:
                 answer = json.loads(reply.read(4096) or b"{}")
         except urllib.error.HTTPError as e:  # refused: say why, once per report
             log(f"progress report refused by {url}: {e.code} {e.read()[:500].decode(errors='replace')}")
+            if e.code not in RETRY_STATUSES:
+                self._answered = body
             return
         except (OSError, ValueError) as e:  # the operator restarting or unreachable: the next update tries again
             log(f"progress report to {url} failed: {e}")
             return
+        self._answered = body
         acknowledged = answer.get("acknowledged") if isinstance(answer, dict) else None
         if isinstance(acknowledged, int):  # those events are in the job's status: stop re-sending them
             with self._lock:
                 self.events = [e for e in self.events if e.seq > acknowledged]
 
-    def flush(self, timeout: float = 5) -> None:
-        """Wait for the post in flight, then send the newest report if it was skipped, so the final state
-        and events are not lost when the process exits."""
+    def flush(self, seconds: float = FLUSH_SECONDS) -> None:
+        """Deliver the newest report before the process exits, so the final state and events are not lost:
+        wait for the post in flight, then send the newest report if it was skipped or its post failed,
+        again while the operator cannot be reached or asks to retry, for at most `seconds`."""
+        deadline = time.monotonic() + seconds
         if self._posting:
-            self._posting.join(timeout)
-        if self.target and self._unsent is not None:
-            body, self._unsent = self._unsent, None
-            self._post(body)
+            self._posting.join(seconds)
+        self._unsent = None
+        while self.target and self._newest is not None and self._answered is not self._newest:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log(f"the last progress report did not reach {self.target.url} within {seconds:g} s")
+                return
+            self._post(self._newest, timeout=min(left, 5.0))
+            if self._answered is not self._newest:
+                time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))

@@ -10,7 +10,7 @@ from torch import nn
 
 from sharded_api.config import TrainerConfig
 from sharded_api.strategy import FsdpOptions
-from sharded_trainer.modeling.decoder import Network
+from sharded_trainer.modeling.decoder import Network, cast_parameters
 from sharded_trainer.modeling.quantize import quantize_base
 from sharded_trainer.objective import build_objective
 from sharded_trainer.process_group import DistEnv
@@ -113,10 +113,8 @@ class FsdpStrategy:
             # One process has nothing to gather, and FSDP2's path for a world of one (torch 2.11) hands a
             # tensor subclass one all-gather output where NF4 has three: the weights stay outside it.
             ignored = set(quantized) if env.world == 1 else None
-        if cfg.precision == "bf16-pure":  # no fp32 master: the sharded parameters themselves are bf16
-            with torch.no_grad():
-                for param in net.module.parameters():
-                    param.data = param.data.to(torch.bfloat16)
+        if cfg.pure_bf16:  # no fp32 master: the sharded parameters themselves are bf16
+            cast_parameters(net.module, torch.bfloat16)
         self.model = apply_fsdp(
             net.module, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision], ignored=ignored
         )
@@ -150,7 +148,7 @@ class FsdpStrategy:
         if self.cfg.grad_clip_norm > 0:  # the norm is a pass over every gradient plus an all-reduce
             norm = torch.nn.utils.clip_grad_norm_(trainable(self.model), self.cfg.grad_clip_norm)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if self.cfg.precision == "bf16-pure":
+        if self.cfg.pure_bf16:
             # The stochastic rounding draws from the generator seeded by (seed, step, rank), on the side of the
             # global one: a resumed run rounds as the uninterrupted run did.
             step = self.scheduler.last_epoch

@@ -15,7 +15,7 @@ def adamw_kwargs(o: OptimizerConfig) -> dict:
 
 
 def make_optimizer(params, cfg: TrainerConfig, device: torch.device) -> torch.optim.Optimizer:
-    if cfg.precision == "bf16-pure":
+    if cfg.pure_bf16:
         return stochastic_adamw(params, cfg.optimizer, device)
     # Fused on the CPU too (torch has a fused CPU kernel): the loop of single-tensor updates costs every
     # parameter about twenty dispatches, through DTensor's under FSDP2 (a tiny model's step on CPU: 78 ms

@@ -154,7 +154,7 @@ def records(paths) -> list[dict]:
 
 def job_of(r: dict) -> Job:
     return Job(load_shape(r["shape"]), 1, r["batch"], r["seq"], 16 if r["lora"] else None, r["lora"] == "qlora",
-               precision=r["precision"])
+               precision=r["precision"])  # fmt: skip
 
 
 def choice_now(r: dict) -> str | None:

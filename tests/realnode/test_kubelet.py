@@ -17,6 +17,7 @@ import base64
 import datetime as dt
 import json
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -35,6 +36,8 @@ pytestmark = pytest.mark.realnode
 SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
 TOKEN = "/var/run/secrets/training.sharded.dev/progress/token"
 HOLD = "sharded.dev/test-hold"  # keeps a deleted pod readable once the kubelet has stopped it
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
+              "pod-security.kubernetes.io/enforce-version": "latest"}  # fmt: skip
 # The stubborn pod's grace period: long enough that a SIGTERM handled at once, on a loaded machine, ends first.
 GRACE = 8
 
@@ -51,8 +54,10 @@ def node():
 
 @pytest.fixture
 def namespace(node):
+    """A namespace enforcing Pod Security `restricted`, as a multi-tenant cluster's are: the API server's
+    admission refuses any pod of the operator's that asks for more."""
     name = f"rn-{uuid.uuid4().hex[:6]}"
-    node.cluster.api("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+    node.cluster.api("POST", "/api/v1/namespaces", {"metadata": {"name": name, "labels": RESTRICTED}})
     deadline = time.monotonic() + 30
     while not node.cluster.api("GET", f"/api/v1/namespaces/{name}/serviceaccounts")["items"]:
         assert time.monotonic() < deadline, "the default ServiceAccount was not made"
@@ -208,3 +213,79 @@ def test_a_node_its_launcher_lost_is_stopped_by_its_pid_files_and_leaves_nothing
     stop_node(node.cluster.workdir, lost.root)
     assert under_root() == ([], []), under_root()
     assert not list((node.cluster.workdir / "pids").glob(f"{lost.name}-*"))
+
+
+def test_the_cli_reads_logs_execs_and_forwards_a_port_through_the_real_kubelet_in_a_restricted_namespace(
+    node, namespace
+):
+    """`sharded logs`, `sharded exec` and `sharded port-forward` against a job's pod on the real node: the API
+    server's pods/log, pods/exec and pods/portforward, served by the kubelet's TLS server and containerd (the
+    e2e tier proves them on the node agent). The namespace enforces `restricted`: the operator's pod is
+    admitted, and a pod that asks for root is not."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from localstack.stack import install_crd
+    from sharded_operator.api.models import GROUP, PLURAL, VERSION
+
+    api, cluster = node.cluster.api, node.cluster
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        api("POST", f"/api/v1/namespaces/{namespace}/pods", {
+            "metadata": {"name": "root"},
+            "spec": {"nodeName": node.name, "containers": [{"name": "c", "image": PROBE_IMAGE,
+                                                             "securityContext": {"runAsUser": 0}}]},
+        })  # fmt: skip
+    assert refused.value.code == 403 and "violates PodSecurity" in refused.value.read().decode()
+
+    # The job object the CLI reads (no operator here: its status names attempt 1, whose pod the test makes).
+    install_crd(cluster.kubeconfig)
+    built = make_job("cli", namespace)
+    jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    api("POST", jobs, built.manifest())
+    api("PATCH", f"{jobs}/cli/status", {"status": {"attempt": 1}}, "application/merge-patch+json")
+    script = (
+        "echo hello from the real kubelet; mkdir /dev/shm/www;"
+        " echo served by the kubelet > /dev/shm/www/index.html; exec httpd -f -p 127.0.0.1:8000 -h /dev/shm/www"
+    )
+    pod = run_probe(node, built.model(), 0, script)["metadata"]["name"]
+    wait_pod(node, namespace, pod, phase_is("Running"))
+
+    env = {"PATH": "/usr/bin:/bin"}
+
+    def sharded(*args: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sharded_operator.cli.main", "--kubeconfig",
+                               str(cluster.kubeconfig), "-n", namespace, *args], capture_output=True, text=True,
+                              env=env, timeout=60, **kw)  # fmt: skip
+
+    deadline = time.monotonic() + 30
+    while "[node-0] hello from the real kubelet" not in (out := sharded("logs", "cli")).stdout:
+        assert time.monotonic() < deadline, (out.stdout, out.stderr)
+        time.sleep(0.5)
+    # The command's output and exit code, as the trainer's user (restricted: not root).
+    ran = sharded("exec", "cli", "--", "sh", "-c", "echo $((6 * 7)) $(id -u); echo to-stderr >&2; exit 3")
+    assert (ran.returncode, ran.stdout.split(), ran.stderr.strip()) == (3, ["42", str(SETTINGS.pod_uid)],
+                                                                         "to-stderr"), ran  # fmt: skip
+    forward = subprocess.Popen([sys.executable, "-m", "sharded_operator.cli.main", "--kubeconfig",
+                                str(cluster.kubeconfig), "-n", namespace, "port-forward", "cli", "0:8000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        first = forward.stdout.readline()
+        assert first.startswith("Forwarding from 127.0.0.1:") and f"(pod {pod})" in first, first
+        local = int(first.split(":")[1].split()[0])
+        deadline = time.monotonic() + 30
+        while True:  # httpd binds once the shell has written its page
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=10) as r:
+                    assert r.read() == b"served by the kubelet\n"
+                break
+            except (OSError, urllib.error.URLError):
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+    finally:
+        forward.terminate()
+        forward.wait(timeout=10)
+    # The server is on the pod's loopback only: the forward entered the pod's network namespace to reach it.
+    pod_ip = api("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")["status"]["podIP"]
+    with pytest.raises(OSError):
+        socket.create_connection((pod_ip, 8000), timeout=5).close()

@@ -119,13 +119,24 @@ def pause_image() -> Path:
     return out
 
 
-PROBE_IMAGE = "sharded.local/probe:1"
+PROBE_IMAGE = "sharded.local/probe:2"
+
+
+# The probe image's `python`: it stands in for the trainer image where the operator runs its own pods, which
+# start `python -m sharded_trainer.launch ... [-- COMMAND]` and `python -m sharded_trainer.store`. The first
+# runs the job's spec.command (a shell script of the test's), the second idles as a store nothing connects to.
+PYTHON_STAND_IN = """#!/bin/sh
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do shift; done
+if [ $# -gt 0 ]; then shift; exec "$@"; fi
+exec sleep 2147483647
+"""
 
 
 def probe_image() -> Path:
     """A shell for tests of what the kubelet gives a container: Debian's static busybox (downloaded, not
-    installed), every applet linked under /bin."""
-    out = CACHE / "images" / "probe-busybox.tar"
+    installed), every applet linked under /bin, and PYTHON_STAND_IN as /usr/bin/python."""
+    key = hashlib.sha256(PYTHON_STAND_IN.encode()).hexdigest()[:12]
+    out = CACHE / "images" / f"probe-busybox-{key}.tar"
     if out.exists():
         return out
     work = CACHE / "images" / "busybox"
@@ -137,7 +148,10 @@ def probe_image() -> Path:
     busybox = work / "root" / "bin" / "busybox"
     applets = _run(str(busybox), "--list").stdout.split()
     links = {f"/bin/{a}": "busybox" for a in applets if a != "busybox"}
-    _oci_archive(out, PROBE_IMAGE, ["/bin/sh"], {"/bin/busybox": busybox}, links)
+    python = work / "python"
+    python.write_text(PYTHON_STAND_IN)
+    python.chmod(0o755)
+    _oci_archive(out, PROBE_IMAGE, ["/bin/sh"], {"/bin/busybox": busybox, "/usr/bin/python": python}, links)
     return out
 
 

@@ -8,7 +8,9 @@ the kubelet gave it, so what is proven is what the kubelet does with the operato
 memory-backed tmpfs of the spec's size, the `restricted` contexts (uid, fsGroup, no capabilities, no new
 privileges), a projected token for the operator's audience, requested by the kubelet under the node's own
 identity, that the operator's verifier accepts as this pod's; SIGTERM on deletion and the exit code kept, then
-SIGKILL at the end of the grace period; `kubectl logs` through the API server to the kubelet's TLS server.
+SIGKILL at the end of the grace period; `kubectl logs` through the API server to the kubelet's TLS server;
+the CLI's logs, exec and port-forward; Pod Security `restricted` admission; and the operator's own handling of
+an eviction, a suspend and a resume of pods the kubelet runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import pytest
 
 from localstack import cluster as localcluster
 from localstack.realnode import PROBE_IMAGE, TAINT, RealNode, probe_image, stop_node
+from sharded_api.contract import PodEnv
+from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_INDEX
 from sharded_operator.decide.views import PodView
 from sharded_operator.render import children, podspec
 from sharded_operator.run.issuer import IssuerKeys
@@ -289,3 +293,73 @@ def test_the_cli_reads_logs_execs_and_forwards_a_port_through_the_real_kubelet_i
     pod_ip = api("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")["status"]["podIP"]
     with pytest.raises(OSError):
         socket.create_connection((pod_ip, 8000), timeout=5).close()
+
+
+def test_the_operator_counts_an_eviction_as_a_disruption_and_suspends_and_resumes_through_the_real_kubelet(
+    node, namespace, tmp_path
+):
+    """The operator's own pods on the real node, their lifecycle driven by the kubelet: a pod evicted through
+    the Eviction API (the API server marks it DisruptionTarget, the kubelet stops it with SIGTERM, the
+    trainer's stand-in exits 75) restarts the gang as a disruption, not a failure; a suspend stops the pod
+    the same way and leaves the job Suspended; a resume starts a fresh attempt that finishes. The image is
+    the probe's, whose `python` runs the job's spec.command in place of the trainer (the e2e tier trains)."""
+    from localstack.stack import OperatorProcess, install_crd
+    from sharded_operator.api.models import GROUP, PLURAL, VERSION
+
+    api, cluster = node.cluster.api, node.cluster
+    install_crd(cluster.kubeconfig)
+    operator = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", RESTART_GRACE_SECONDS="10",
+                               SUSPEND_GRACE_SECONDS="10").start()  # fmt: skip
+    jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    # Stopped with SIGTERM, it exits 75 as the trainer does after its final checkpoint; attempt 3 finishes.
+    script = (f'echo attempt ${PodEnv.ATTEMPT}; [ "${PodEnv.ATTEMPT}" -ge 3 ] && exit 0;'
+              " trap 'echo stopping; exit 75' TERM; while :; do sleep 0.2; done")  # fmt: skip
+    body = (make_job("evict", namespace).image(PROBE_IMAGE).nodes(1).procs(1)
+            .spec("command", ["/bin/sh", "-c", script]).spec("pod", {"imagePullPolicy": "Never"})
+            .spec("scheduling", {"tolerations": [{**TAINT, "operator": "Equal"}]}).manifest())  # fmt: skip
+
+    def status() -> dict:
+        return api("GET", f"{jobs}/evict").get("status") or {}
+
+    def wait(pred, what: str, timeout: float = 90) -> dict:
+        deadline = time.monotonic() + timeout
+        while not pred(s := status()):
+            assert time.monotonic() < deadline, f"{what}: {json.dumps(s)[:1500]}\n{operator.log.read_text()[-2000:]}"
+            time.sleep(0.3)
+        return s
+
+    def running_pod(attempt: int) -> str:
+        wait(lambda s: s.get("attempt") == attempt and s.get("phase") == "Running", f"attempt {attempt} running")
+        pods = api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={LABEL_ATTEMPT}={attempt}")["items"]
+        [pod] = [p for p in pods if p["metadata"]["labels"].get(LABEL_INDEX) == "0"]
+        name = pod["metadata"]["name"]
+        wait_pod(node, namespace, name, phase_is("Running"))
+        deadline = time.monotonic() + 30
+        while f"attempt {attempt}" not in logs(node, namespace, name):  # the trap is set once it has printed
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        return name
+
+    try:
+        api("POST", jobs, body)
+        pod = running_pod(1)
+        eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
+        api("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", eviction)
+        s = wait(lambda s: s.get("attempt") == 2, "a restart after the eviction")
+        assert (s["disruptions"], s.get("restarts", 0)) == (1, 0), s
+        # Decided from the condition the API server set, as the kubelet began to stop the pod.
+        assert s["lastFailure"]["reason"] == "DisruptionTarget" and s["lastFailure"]["pod"] == pod, s
+
+        running_pod(2)
+        api("PATCH", jobs + "/evict", {"spec": {"runPolicy": {"suspend": True}}}, "application/merge-patch+json")
+        wait(lambda s: s.get("phase") == "Suspended", "Suspended")
+        wait_for_no_pods = time.monotonic() + 60
+        while api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={LABEL_ATTEMPT}=2")["items"]:
+            assert time.monotonic() < wait_for_no_pods, "the suspended attempt's pod was never removed"
+            time.sleep(0.3)
+        api("PATCH", jobs + "/evict", {"spec": {"runPolicy": {"suspend": False}}}, "application/merge-patch+json")
+        s = wait(lambda s: s.get("phase") in ("Succeeded", "Failed"), "finished")
+        assert (s["phase"], s["attempt"], s["disruptions"], s.get("restarts", 0)) == ("Succeeded", 3, 1, 0), s
+    finally:
+        api("DELETE", f"{jobs}/evict")
+        operator.stop()

@@ -18,9 +18,12 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -227,8 +230,6 @@ def test_the_cli_reads_logs_execs_and_forwards_a_port_through_the_real_kubelet_i
     e2e tier proves them on the node agent). The namespace enforces `restricted`: the operator's pod is
     admitted, and a pod that asks for root is not."""
     import socket
-    import urllib.error
-    import urllib.request
 
     from localstack.stack import install_crd
     from sharded_operator.api.models import GROUP, PLURAL, VERSION
@@ -295,15 +296,21 @@ def test_the_cli_reads_logs_execs_and_forwards_a_port_through_the_real_kubelet_i
         socket.create_connection((pod_ip, 8000), timeout=5).close()
 
 
-def test_the_operator_counts_an_eviction_as_a_disruption_and_suspends_and_resumes_through_the_real_kubelet(
+def test_the_operator_runs_a_job_on_the_real_kubelet_through_an_eviction_a_kill_a_suspend_and_a_resume(
     node, namespace, tmp_path
 ):
-    """The operator's own pods on the real node, their lifecycle driven by the kubelet: a pod evicted through
-    the Eviction API (the API server marks it DisruptionTarget, the kubelet stops it with SIGTERM, the
-    trainer's stand-in exits 75) restarts the gang as a disruption, not a failure; a suspend stops the pod
-    the same way and leaves the job Suspended; a resume starts a fresh attempt that finishes. The image is
-    the probe's, whose `python` runs the job's spec.command in place of the trainer (the e2e tier trains)."""
+    """The operator's own pods on the real node, their lifecycle driven by the kubelet: the progress token
+    the kubelet mounted is accepted by the operator's /progress as the live pod's (and refused once that pod
+    is gone); a pod evicted through the Eviction API (the API server marks it DisruptionTarget, the kubelet
+    stops it with SIGTERM, the trainer's stand-in exits 75) restarts the gang as a disruption, not a failure;
+    a container SIGKILLed on the node is a failure with the kubelet's exit code 137, and the gang restarts;
+    a suspend stops the pod with SIGTERM and leaves the job Suspended; a resume starts a fresh attempt that
+    finishes. The image is the probe's, whose `python` runs the job's spec.command in place of the trainer
+    (the e2e tier trains)."""
+    import signal
+
     from localstack.stack import OperatorProcess, install_crd
+    from sharded_api.contract import ProgressReport
     from sharded_operator.api.models import GROUP, PLURAL, VERSION
 
     api, cluster = node.cluster.api, node.cluster
@@ -311,8 +318,8 @@ def test_the_operator_counts_an_eviction_as_a_disruption_and_suspends_and_resume
     operator = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", RESTART_GRACE_SECONDS="10",
                                SUSPEND_GRACE_SECONDS="10").start()  # fmt: skip
     jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
-    # Stopped with SIGTERM, it exits 75 as the trainer does after its final checkpoint; attempt 3 finishes.
-    script = (f'echo attempt ${PodEnv.ATTEMPT}; [ "${PodEnv.ATTEMPT}" -ge 3 ] && exit 0;'
+    # Stopped with SIGTERM, it exits 75 as the trainer does after its final checkpoint; attempt 4 finishes.
+    script = (f"echo token $(cat {TOKEN}); echo attempt ${PodEnv.ATTEMPT}; [ ${PodEnv.ATTEMPT} -ge 4 ] && exit 0;"
               " trap 'echo stopping; exit 75' TERM; while :; do sleep 0.2; done")  # fmt: skip
     body = (make_job("evict", namespace).image(PROBE_IMAGE).nodes(1).procs(1)
             .spec("command", ["/bin/sh", "-c", script]).spec("pod", {"imagePullPolicy": "Never"})
@@ -328,6 +335,22 @@ def test_the_operator_counts_an_eviction_as_a_disruption_and_suspends_and_resume
             time.sleep(0.3)
         return s
 
+    def report(token: str, attempt: int, step: int) -> tuple[int, str]:
+        """A progress report for `attempt` with a token the kubelet mounted in a pod, as its trainer posts it."""
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = ProgressReport(uid=uid, namespace=namespace, name="evict", attempt=attempt, run="probe", step=step,
+                              total_steps=10, updated_at=now)  # fmt: skip
+        body = body.model_dump_json(by_alias=True, exclude_none=True)
+        req = urllib.request.Request(operator.progress_url, data=body.encode(), method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    tokens: dict[int, str] = {}  # attempt -> the token its pod's log printed
+
     def running_pod(attempt: int) -> str:
         wait(lambda s: s.get("attempt") == attempt and s.get("phase") == "Running", f"attempt {attempt} running")
         pods = api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={LABEL_ATTEMPT}={attempt}")["items"]
@@ -335,14 +358,18 @@ def test_the_operator_counts_an_eviction_as_a_disruption_and_suspends_and_resume
         name = pod["metadata"]["name"]
         wait_pod(node, namespace, name, phase_is("Running"))
         deadline = time.monotonic() + 30
-        while f"attempt {attempt}" not in logs(node, namespace, name):  # the trap is set once it has printed
+        while f"attempt {attempt}" not in (out := logs(node, namespace, name)):  # the trap is set once printed
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        tokens[attempt] = next(line.split()[1] for line in out.splitlines() if line.startswith("token "))
         return name
 
     try:
-        api("POST", jobs, body)
+        uid = api("POST", jobs, body)["metadata"]["uid"]
         pod = running_pod(1)
+        code, why = report(tokens[1], 1, 3)
+        assert code == 200, (why, operator.log.read_text()[-2000:])
+        wait(lambda s: (s.get("progress") or {}).get("step") == 3, "the reported step in status")
         eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
         api("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", eviction)
         s = wait(lambda s: s.get("attempt") == 2, "a restart after the eviction")
@@ -350,16 +377,40 @@ def test_the_operator_counts_an_eviction_as_a_disruption_and_suspends_and_resume
         # Decided from the condition the API server set, as the kubelet began to stop the pod.
         assert s["lastFailure"]["reason"] == "DisruptionTarget" and s["lastFailure"]["pod"] == pod, s
 
-        running_pod(2)
+        pod = running_pod(2)  # the same name, a new pod
+        # The evicted pod's token cannot report for the new attempt: its pod is gone (or, as the operator last
+        # read it, of attempt 1).
+        code, why = report(tokens[1], 2, 5)
+        assert code == 403 and ("gone" in why or "belongs to attempt 1" in why), (code, why)
+        assert report(tokens[2], 2, 5)[0] == 200
+
+        # SIGKILL to the container's process on the node (the container's own PID 1 cannot be killed from inside).
+        [pid] = [int(c.parent.name) for c in Path("/proc").glob("[0-9]*/cmdline") if _is_attempt(c.parent, script, 2)]
+        os.kill(pid, signal.SIGKILL)
+        s = wait(lambda s: s.get("attempt") == 3, "a restart after the kill")
+        assert (s["disruptions"], s["restarts"], s["lastFailure"]["exitCode"]) == (1, 1, 137), s
+        assert s["lastFailure"]["pod"] == pod, s
+
+        running_pod(3)
         api("PATCH", jobs + "/evict", {"spec": {"runPolicy": {"suspend": True}}}, "application/merge-patch+json")
         wait(lambda s: s.get("phase") == "Suspended", "Suspended")
         wait_for_no_pods = time.monotonic() + 60
-        while api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={LABEL_ATTEMPT}=2")["items"]:
+        while api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={LABEL_ATTEMPT}=3")["items"]:
             assert time.monotonic() < wait_for_no_pods, "the suspended attempt's pod was never removed"
             time.sleep(0.3)
         api("PATCH", jobs + "/evict", {"spec": {"runPolicy": {"suspend": False}}}, "application/merge-patch+json")
         s = wait(lambda s: s.get("phase") in ("Succeeded", "Failed"), "finished")
-        assert (s["phase"], s["attempt"], s["disruptions"], s.get("restarts", 0)) == ("Succeeded", 3, 1, 0), s
+        assert (s["phase"], s["attempt"], s["disruptions"], s["restarts"]) == ("Succeeded", 4, 1, 1), s
     finally:
         api("DELETE", f"{jobs}/evict")
         operator.stop()
+
+
+def _is_attempt(proc: Path, script: str, attempt: int) -> bool:
+    """Whether the process `proc` (a /proc entry) runs `script` for `attempt`: the container's shell."""
+    try:
+        return (proc / "cmdline").read_bytes().split(b"\0")[-2] == script.encode() and (
+            f"{PodEnv.ATTEMPT}={attempt}".encode() in (proc / "environ").read_bytes().split(b"\0")
+        )
+    except (OSError, IndexError):
+        return False

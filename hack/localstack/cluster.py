@@ -67,6 +67,7 @@ class LocalCluster:
     audit: bool = False  # the API server's audit log of writes to jobs, pods and Leases (audit_events)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
+    _tls: ssl.SSLContext | None = field(default=None, repr=False)
 
     @property
     def kubeconfig(self) -> Path:
@@ -173,6 +174,7 @@ class LocalCluster:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         pki = self.workdir / "pki"
         write_pki(pki)
+        self._tls = None  # the admin's context trusts this CA
         self.api_port = free_port()
         etcd_port, etcd_peer = free_port(), free_port()
         self.kubeconfig.write_text(json.dumps(kubeconfig(pki, self.server), indent=2))
@@ -271,10 +273,13 @@ class LocalCluster:
         return self
 
     def admin_tls(self) -> ssl.SSLContext:
-        """TLS as the cluster admin (its client certificate), trusting the cluster's CA."""
-        ctx = ssl.create_default_context(cafile=str(self.workdir / "pki" / "ca.crt"))
-        ctx.load_cert_chain(self.workdir / "pki" / "admin.crt", self.workdir / "pki" / "admin.key")
-        return ctx
+        """TLS as the cluster admin (its client certificate), trusting the cluster's CA: made once, as tests
+        poll through `api` several times a second and each load parses the CA and the key again."""
+        if self._tls is None:
+            ctx = ssl.create_default_context(cafile=str(self.workdir / "pki" / "ca.crt"))
+            ctx.load_cert_chain(self.workdir / "pki" / "admin.crt", self.workdir / "pki" / "admin.key")
+            self._tls = ctx
+        return self._tls
 
     def api(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json") -> dict:
         """One JSON request to the API server as the cluster admin (PATCH: pass a patch content type)."""

@@ -220,6 +220,8 @@ def test_a_node_its_launcher_lost_is_stopped_by_its_pid_files_and_leaves_nothing
     stop_node(node.cluster.workdir, lost.root)
     assert under_root() == ([], []), under_root()
     assert not list((node.cluster.workdir / "pids").glob(f"{lost.name}-*"))
+    # Its Node object would look Ready to the scheduler until the node controller's grace runs out.
+    node.cluster.api("DELETE", f"/api/v1/nodes/{lost.name}")
 
 
 def test_the_cli_reads_logs_execs_and_forwards_a_port_through_the_real_kubelet_in_a_restricted_namespace(
@@ -323,7 +325,8 @@ def test_the_operator_runs_a_job_on_the_real_kubelet_through_an_eviction_a_kill_
               " trap 'echo stopping; exit 75' TERM; while :; do sleep 0.2; done")  # fmt: skip
     body = (make_job("evict", namespace).image(PROBE_IMAGE).nodes(1).procs(1)
             .spec("command", ["/bin/sh", "-c", script]).spec("pod", {"imagePullPolicy": "Never"})
-            .spec("scheduling", {"tolerations": [{**TAINT, "operator": "Equal"}]}).manifest())  # fmt: skip
+            .spec("scheduling", {"tolerations": [{**TAINT, "operator": "Equal"}],
+                                 "nodeSelector": {"kubernetes.io/hostname": node.name}}).manifest())  # fmt: skip
 
     def status() -> dict:
         return api("GET", f"{jobs}/evict").get("status") or {}
@@ -331,7 +334,11 @@ def test_the_operator_runs_a_job_on_the_real_kubelet_through_an_eviction_a_kill_
     def wait(pred, what: str, timeout: float = 90) -> dict:
         deadline = time.monotonic() + timeout
         while not pred(s := status()):
-            assert time.monotonic() < deadline, f"{what}: {json.dumps(s)[:1500]}\n{operator.log.read_text()[-2000:]}"
+            if time.monotonic() > deadline:
+                pods = api("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]
+                seen = [(p["metadata"]["name"], p["spec"].get("nodeName"), p["status"]) for p in pods]
+                raise AssertionError(f"{what}: {json.dumps(s)[:1000]}\npods: {json.dumps(seen)[:3000]}\n"
+                                     f"{operator.log.read_text()[-1500:]}")  # fmt: skip
             time.sleep(0.3)
         return s
 

@@ -38,6 +38,7 @@ from sharded_operator.render import children, podspec
 from sharded_operator.run.issuer import IssuerKeys
 from sharded_operator.settings import OperatorSettings
 from support.jobs import make_job
+from support.reports import post
 
 pytestmark = pytest.mark.realnode
 SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
@@ -347,14 +348,8 @@ def test_the_operator_runs_a_job_on_the_real_kubelet_through_an_eviction_a_kill_
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = ProgressReport(uid=uid, namespace=namespace, name="evict", attempt=attempt, run="probe", step=step,
                               total_steps=10, updated_at=now)  # fmt: skip
-        body = body.model_dump_json(by_alias=True, exclude_none=True)
-        req = urllib.request.Request(operator.progress_url, data=body.encode(), method="POST", headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
+        code, answer = post(operator, body.model_dump_json(by_alias=True, exclude_none=True).encode(), token)
+        return code, json.dumps(answer)
 
     tokens: dict[int, str] = {}  # attempt -> the token its pod's log printed
 

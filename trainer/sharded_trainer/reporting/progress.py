@@ -101,7 +101,6 @@ class ProgressReporter:
         self._lock = threading.Lock()  # events: appended by training, acknowledged by the posting thread
         self._last_post = float("-inf")
         self._posting: threading.Thread | None = None
-        self._unsent: bytes | None = None  # the newest report, when it was skipped for one in flight
         self._newest: bytes | None = None  # the newest report made, and the newest the operator answered
         self._answered: bytes | None = None
 
@@ -149,9 +148,7 @@ class ProgressReporter:
             body = self._newest = self._body(progress)
             busy = self._posting is not None and self._posting.is_alive()
             if busy or time.monotonic() - self._last_post < MIN_INTERVAL:
-                self._unsent = body  # the next update or flush sends the newest state
-                return
-            self._unsent = None
+                return  # the next update or flush sends the newest state
             self._last_post = time.monotonic()
             self._posting = threading.Thread(target=self._post, args=(body,), daemon=True)
             self._posting.start()
@@ -220,7 +217,6 @@ class ProgressReporter:
         deadline = time.monotonic() + seconds
         if self._posting:
             self._posting.join(seconds)
-        self._unsent = None
         while self.target and self._newest is not None and self._answered is not self._newest:
             left = deadline - time.monotonic()
             if left <= 0:

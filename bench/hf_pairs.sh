@@ -23,6 +23,8 @@
 #                                 TrainingArguments(gradient_checkpointing=True) (bench/peer_checkpointing.py),
 #                                 as long sequences and 8B full fine-tuning on one GPU need; with torch_compile=True
 #   *-pure                        precision bf16-pure (bf16 weights and moments, stochastically rounded AdamW)
+#   *-gc                          the trainer with activation checkpointing (the peer's -gc setting)
+#   *-noclip                      gradClipNorm 0: no gradient clipping, as the peer runs (max_grad_norm=0.0)
 # Env: PEER (peer script, default .devwheels/peer_hf_trainer.py), PROCS (GPUs, default 1), BATCH (4),
 # STEPS (30), MODEL_DIR (where the shape's Hugging Face directory is written, default /tmp/llama-SHAPE-hf),
 # CHAT_DIR (default .benchdata/chat), SEQ (sequence length, default 2048),
@@ -68,7 +70,7 @@ arm() {  # arm LABEL COMMAND...: run one arm under the budget, keep its result l
 
 trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, strategy and compile the label names
   local label="$1" model strategy=fsdp compile=false lora="" data="{source: synthetic}" attention=auto
-  local precision=bf16
+  local precision=bf16 ac=false clip=1.0
   [[ $label == *-flex* ]] && attention=flex_attention
   [[ $label == *-sdpa* ]] && attention=sdpa
   model="{huggingface: {path: $dir, attention: $attention}}"
@@ -79,6 +81,8 @@ trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, stra
   [[ $label == *-auto* ]] && strategy=auto
   [[ $label == *compiled* ]] && compile=true
   [[ $label == *-pure* ]] && precision=bf16-pure
+  [[ $label == *-gc* ]] && ac=true
+  [[ $label == *-noclip* ]] && clip=0
   [[ $label == hf-lora* ]] && lora="lora: {r: 16, alpha: 32}"
   [[ $label == hf-qlora* ]] && lora="lora: {r: 16, alpha: 32, quantizeBase: nf4}"
   if [[ $label != preset* && ! -f $dir/config.json ]]; then
@@ -86,10 +90,11 @@ trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, stra
   fi
   cat >"/tmp/hf-pairs-$label.yaml" <<YAML
 model: $model
-strategy: {type: $strategy, fsdp: {compile: $compile}, zero2: {compile: $compile}}
+strategy: {type: $strategy, fsdp: {compile: $compile, activationCheckpointing: $ac}, zero2: {compile: $compile, activationCheckpointing: $ac}}
 data: $data
 $lora
 precision: $precision
+gradClipNorm: $clip
 steps: $steps
 microBatchSize: $batch
 seqLen: $seq

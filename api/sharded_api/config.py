@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from sharded_api.cel import At, Has
 from sharded_api.objective import ObjectiveConfig
 from sharded_api.rules import Model, Rule
-from sharded_api.strategy import StrategyConfig
+from sharded_api.strategy import PURE_BF16, StrategyConfig
 
 
 class HuggingFaceModel(Model):
@@ -73,8 +73,6 @@ class ModelConfig(Model):
 
 
 RECORD_SOURCES = ("jsonl", "parquet", "arrow")
-# The precision that keeps no fp32 master (the Literal below spells it too: a type checker reads only literals).
-PURE_BF16 = "bf16-pure"
 
 
 class DataConfig(Model):

@@ -8,7 +8,20 @@ from pydantic import Field
 
 from sharded_api.rules import Model
 
-__all__ = ["FsdpOptions", "StrategyConfig", "Zero2Options"]
+__all__ = ["PURE_BF16", "FsdpOptions", "StrategyConfig", "Zero2Options", "fsdp_unsharded"]
+
+# The precision that keeps no fp32 master (TrainerConfig's Literal spells it too: a type checker reads only
+# literals).
+PURE_BF16 = "bf16-pure"
+
+
+def fsdp_unsharded(world: int, precision: str, cpu_offload: bool) -> bool:
+    """Whether FSDP2 has nothing to do, so the trainer runs the model as it is: one process, whose parameters
+    are stored in the dtype they compute in (fp32, or bf16-pure's bf16). Sharding over one process would only
+    copy each block's weights into a gather buffer before its forward and again before its backward, and its
+    gradients through a reduce buffer, with hooks around every block. Under bf16 or fp16 mixed precision that
+    copy is the cast to the compute dtype, work the step needs anyway, and FSDP2 stays; so it does to offload."""
+    return world == 1 and not cpu_offload and precision in ("fp32", PURE_BF16)
 
 
 class FsdpOptions(Model):

@@ -125,6 +125,41 @@ def test_a_world_of_4_resumed_on_2_keeps_the_batch_and_continues_the_loss(strate
     assert state["world"] == 2 and state["data"]["consumed"] == 20 * 16
 
 
+def test_one_process_runs_the_model_unsharded_continues_a_world_of_4_and_a_world_of_2_shards_its_checkpoint(
+    world4_run, tmp_path
+):
+    """One fp32 process: FSDP2 has nothing to shard or cast (fsdp_unsharded), so the model runs as it is. It
+    resumes the sharded checkpoint of a world of 4, continues its loss curve, and writes plain tensors that a
+    world of 2 shards again, weight for weight."""
+    from sharded_api.loading import load_config
+    from sharded_trainer.modeling.decoder import preset_network
+    from sharded_trainer.strategies.fsdp import FsdpStrategy
+
+    _, source, _, reference = world4_run("fsdp")
+    root = resume_from(source / "ckpt", 10, tmp_path)
+    config = write_config(tmp_path, **{"globalBatchSize": 16, "checkpoint.dir": str(root)})
+    run = run_job(tmp_path, config, nodes=1, procs=1)
+    assert run.returncodes == [0], run.output[-3000:]
+    assert event(run, "layout")["layout"] == "unsharded: 1 process, fp32 parameters (nothing to shard or cast)"
+    assert event(run, "resumed") == {"step": 10, "from_world": 4, "world": 1}
+    assert event(run, "batch")["grad_accum_steps"] == 4
+    ref, got = reference.losses(), run.losses()
+    assert sorted(got) == list(range(11, 21))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=2e-4), (step, got[step], ref[step])
+    assert committed_steps(root) == [10, 20]
+
+    out = tmp_path / "probe.pt"
+    probe = run_job(tmp_path, config, nodes=1, procs=2, script=[*RELOAD, "--step", "20", "--out", str(out)])
+    assert probe.returncodes == [0], probe.output[-3000:]
+    found = torch.load(out, weights_only=False)
+    assert found["world"] == 2
+    written = FsdpStrategy.full_model_state(preset_network(load_config(str(config))).module, step_dir(root, 20))
+    assert found["weights"].keys() == written.keys()
+    for name, weight in written.items():
+        assert torch.equal(found["weights"][name], weight), name
+
+
 def test_a_zero2_world_of_2_resumed_on_3_keeps_the_batch_and_continues_the_loss(world2_zero2, tmp_path):
     source, _, reference = world2_zero2
     root = resume_from(source / "ckpt", 10, tmp_path)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from sharded_api.config import PURE_BF16
 from sharded_api.presets import PRESETS
-from sharded_api.strategy import StrategyConfig
+from sharded_api.strategy import StrategyConfig, fsdp_unsharded
 
 GIB = 1024**3
 ACT_SCALE = 1.013  # measured bytes per token per block over the saved tensors counted (llama-1b)
@@ -297,8 +297,10 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     block_bf16 = 2 * (s.block_linear_params + 2 * s.hidden)
     # FSDP2 gathers the output head (or the tied embedding) for the logits, and the blocks in flight; without
     # resharding every block's gathered copy stays until backward. An NF4 weight is dequantized as it is used.
+    # One process storing what it computes in runs the model as it is (fsdp_unsharded): nothing gathered or reduced.
+    sharded = fsdp and not fsdp_unsharded(w, job.precision, setting.offload)
     transient = 0.0
-    if fsdp:
+    if sharded:
         transient = 2 * s.embedding + block_bf16 + (0 if setting.reshard else s.layers * block_bf16)
     elif job.nf4:
         transient = block_bf16
@@ -314,7 +316,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     # copy on one process). One process keeps backward's bf16 (measured: 8B bf16-pure on one GPU peaked 7.9 GiB
     # above its state and gradients with fp32 buffers, 8 bytes per root parameter).
     reduce = 0.0
-    if fsdp and job.lora_r is None and not setting.offload:
+    if sharded and job.lora_r is None and not setting.offload:
         r = 2 if w == 1 or job.reduce_bf16 else 4
         reduce = (s.embedding * (1 if s.tied else 2) + s.hidden) * max(2 + r, r + r / w)
     peak = max(kept + act + transient, kept + grads + transient + reduce, load)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sharded_api.config import TrainerConfig
-from sharded_api.strategy import FsdpOptions
+from sharded_api.strategy import FsdpOptions, fsdp_unsharded
 from sharded_trainer.modeling.decoder import Network, cast_parameters
 from sharded_trainer.modeling.quantize import quantize_base
 from sharded_trainer.objective import build_objective
@@ -115,12 +115,10 @@ class FsdpStrategy:
             ignored = set(quantized) if env.world == 1 else None
         if cfg.pure_bf16:  # no fp32 master: the sharded parameters themselves are bf16
             cast_parameters(net.module, torch.bfloat16)
-        self.model = apply_fsdp(
-            net.module, mesh=self.mesh, options=cfg.strategy.fsdp, param_dtype=DTYPES[cfg.precision], ignored=ignored
-        )
-        if net.source is not None:  # built on the meta device: each rank reads only the rows it keeps
-            # FSDP2 keeps offloaded shards in host memory and moves each to the GPU as it is used.
-            materialize(self.model, torch.device("cpu") if cfg.strategy.fsdp.cpu_offload else env.device, net.source)
+        self.unsharded = fsdp_unsharded(env.world, cfg.precision, cfg.strategy.fsdp.cpu_offload)
+        if self.unsharded:
+            self.layout = f"unsharded: 1 process, {cfg.precision} parameters (nothing to shard or cast)"
+        self.model = self._place(net, cfg.strategy.fsdp, ignored=ignored)
         self.objective = build_objective(net, cfg, env.device, cfg.strategy.fsdp.compile, self._place_copy)
         self.optimizer = make_optimizer(trainable(self.model), cfg, env.device)
         self.scheduler = make_scheduler(self.optimizer, cfg)
@@ -132,9 +130,22 @@ class FsdpStrategy:
         has no backward) and no activations kept for one."""
         options = self.cfg.strategy.fsdp.model_copy(update={"activation_checkpointing": False,
                                                             "reshard_after_forward": True})  # fmt: skip
-        module = apply_fsdp(net.module, mesh=self.mesh, options=options, param_dtype=DTYPES[self.cfg.precision],
-                            frozen=True)  # fmt: skip
-        if net.source is not None:
+        return self._place(net, options, frozen=True)
+
+    def _place(self, net: Network, options: FsdpOptions, *, ignored=None, frozen: bool = False) -> nn.Module:
+        """`net`'s module sharded (or, where FSDP2 has nothing to do, as it is) and on its device, its weights
+        read from the source it was built from."""
+        if self.unsharded:
+            module = net.module
+            wrap_blocks(decoder_layers(module), activation_checkpointing=options.activation_checkpointing,
+                        compile=options.compile)  # fmt: skip
+            if net.source is None:
+                module.to(self.env.device)
+        else:
+            module = apply_fsdp(net.module, mesh=self.mesh, options=options, param_dtype=DTYPES[self.cfg.precision],
+                                ignored=ignored, frozen=frozen)  # fmt: skip
+        if net.source is not None:  # built on the meta device: each rank reads only the rows it keeps
+            # FSDP2 keeps offloaded shards in host memory and moves each to the GPU as it is used.
             materialize(module, torch.device("cpu") if options.cpu_offload else self.env.device, net.source)
         return module
 

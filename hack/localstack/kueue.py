@@ -30,6 +30,7 @@ from localstack import cluster as localcluster
 from localstack.stack import install_crd
 
 MANAGED_LABEL = "kueue-managed"
+KUEUE_API = "kueue.x-k8s.io/v1beta2"
 METRICS_CERTS = "/etc/kueue/metrics/certs"
 # The webhooks of the integrations used here: plain pods (pod groups) and Kueue's own objects.
 WEBHOOK_RESOURCES = {"pods", "workloads", "clusterqueues", "localqueues", "resourceflavors", "cohorts"}
@@ -99,6 +100,26 @@ class LocalKueue:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
+        self._release_finalizers()
+
+    def _release_finalizers(self) -> None:
+        """Take Kueue's finalizers off what it leaves behind. Kueue removes them itself once a workload
+        is done, but a namespace deleted just before Kueue stops still holds workloads and queues that only
+        Kueue would have let go: without this they, and their namespace, stay Terminating for good."""
+        kinds = [(f"/apis/{KUEUE_API}", plural) for plural in ("workloads", "localqueues", "clusterqueues",
+                                                               "resourceflavors")]  # fmt: skip
+        for prefix, plural in [*kinds, ("/api/v1", "pods")]:
+            with contextlib.suppress(OSError):
+                for item in self.cluster.api("GET", f"{prefix}/{plural}").get("items", []):
+                    meta = item["metadata"]
+                    kept = [f for f in meta.get("finalizers") or [] if not f.startswith("kueue.x-k8s.io/")]
+                    if kept == (meta.get("finalizers") or []):
+                        continue
+                    where = f"namespaces/{meta['namespace']}/" if meta.get("namespace") else ""
+                    patch = {"metadata": {"finalizers": kept or None, "resourceVersion": meta["resourceVersion"]}}
+                    with contextlib.suppress(OSError):  # changed or gone meanwhile: nothing of Kueue's to keep
+                        self.cluster.api("PATCH", f"{prefix}/{where}{plural}/{meta['name']}", patch,
+                                         content_type="application/merge-patch+json")  # fmt: skip
 
     def log(self) -> str:
         return (self.workdir / "kueue.log").read_text(errors="replace")

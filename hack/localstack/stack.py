@@ -96,6 +96,42 @@ def install_crd(kubeconfig: Path, body: dict | None = None) -> None:
     raise TimeoutError("CRD not Established")
 
 
+def wait_collectable(kubeconfig: Path, timeout: float = 90) -> None:
+    """Until the garbage collector watches ShardedTrainingJobs. It rediscovers the API's resources every 30 s,
+    so for up to 30 s after the CRD is installed a deleted job's pods stay (nothing tells the collector
+    their owner is gone): on a fresh control plane, a test that deletes a job would depend on the clock.
+    A probe job in kube-system (which the tests' operators ignore) with a ConfigMap it owns is deleted until
+    the ConfigMap is collected."""
+    from kubernetes import client, config
+    from kubernetes.client.rest import ApiException
+
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+    version = crd["spec"]["versions"][0]["name"]
+    deadline = time.monotonic() + timeout
+    for attempt in range(1000):
+        name = f"gc-probe-{attempt}"
+        job = custom.create_namespaced_custom_object(group, version, "kube-system", plural, {
+            "apiVersion": f"{group}/{version}", "kind": crd["spec"]["names"]["kind"], "metadata": {"name": name},
+            "spec": {"image": "gc-probe"}})  # fmt: skip
+        owner = {"apiVersion": job["apiVersion"], "kind": job["kind"], "name": name, "uid": job["metadata"]["uid"]}
+        core.create_namespaced_config_map("kube-system", {"metadata": {"name": name, "ownerReferences": [owner]}})
+        custom.delete_namespaced_custom_object(group, version, "kube-system", plural, name)
+        for _ in range(20):  # collected within 2 s once the collector watches the kind
+            try:
+                core.read_namespaced_config_map(name, "kube-system")
+            except ApiException as e:
+                if e.status == 404:
+                    return
+                raise
+            time.sleep(0.1)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the garbage collector did not collect a deleted {crd['spec']['names']['kind']}'s "
+                               f"dependents within {timeout:.0f}s")  # fmt: skip
+
+
 class LocalStack:
     """Start order matters: the agent's bridge must exist before the operator binds to its gateway."""
 

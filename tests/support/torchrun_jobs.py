@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -49,6 +49,7 @@ def write_config(directory: Path, **overrides) -> Path:
 class Run:
     returncodes: list[int]
     output: str
+    nodes: list[str] = field(default_factory=list)  # each node's log, where the run had several
 
     @property
     def metrics(self) -> list[dict]:
@@ -59,6 +60,10 @@ class Run:
 
     def event(self, name: str) -> dict | None:
         return next((m for m in self.metrics if m.get("event") == name), None)
+
+    def tails(self, chars: int = 2500) -> str:
+        """The end of each node's log (rank 0's lines are in the first, which the end of `output` leaves out)."""
+        return "\n".join(f"--- node {i}:\n{log[-chars:]}" for i, log in enumerate(self.nodes or [self.output]))
 
 
 def start_agents(
@@ -124,8 +129,8 @@ def wait_agents(agents: list[subprocess.Popen], log_dir: Path, timeout: float = 
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
-    output = "\n".join((log_dir / f"agent-{i}.log").read_text() for i in range(len(agents)))
-    return Run([a.returncode for a in agents], output)
+    nodes = [(log_dir / f"agent-{i}.log").read_text() for i in range(len(agents))]
+    return Run([a.returncode for a in agents], "\n".join(nodes), nodes)
 
 
 def run_many(directory: Path, configs: list[Path], *, env=None, timeout: float = 600) -> list[Run]:
@@ -153,13 +158,17 @@ def stop_at_step(
     log_dir.mkdir(parents=True, exist_ok=True)
     agents = start_agents(config, nodes=nodes, script=script, log_dir=log_dir, env=env)
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= step:
-            break
-        time.sleep(0.1)
+    reached = False
+    while not reached and time.monotonic() < deadline and all(a.poll() is None for a in agents):
+        reached = progress.exists() and json.loads(progress.read_text()).get("step", 0) >= step
+        time.sleep(0.05)
     for a in agents:
-        os.killpg(a.pid, signal.SIGTERM)
-    return wait_agents(agents, log_dir, timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(a.pid, signal.SIGTERM)
+    run = wait_agents(agents, log_dir, timeout=120)
+    # A stop before the workers run their loop (still importing, or at the rendezvous) is no stop under test.
+    assert reached, f"step {step} was never reached: " + run.tails()
+    return run
 
 
 def run_job(

@@ -72,7 +72,7 @@ def test_sigterm_to_the_launcher_alone_yields_a_final_checkpoint_and_exit_75(tmp
     config = write_config(tmp_path, steps=100000, **{"checkpoint.interval": 100000})
     proc = launch(config, one_node(store_port))
     progress = tmp_path / "progress.json"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (progress.exists() and json.loads(progress.read_text())["step"] >= 3):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.05)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from sharded_api.contract import MARKER, ExitCode
 from sharded_api.loading import load_config
 from sharded_trainer.checkpoint.export import export_checkpoint, load_exported, load_model_state
 from sharded_trainer.checkpoint.manager import committed_steps, step_dir
-from support.torchrun_jobs import ROOT, SCRIPTS, Run, run_job, start_agents, wait_agents, write_config
+from support.torchrun_jobs import ROOT, SCRIPTS, Run, run_job, stop_at_step, write_config
 
 pytestmark = pytest.mark.trainer
 STRATEGIES = ["fsdp", "zero2"]
@@ -70,20 +69,10 @@ def test_checkpoints_are_committed_with_a_marker_and_all_state(reference):
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(reference, tmp_path):
     strategy, ref_tmp, _, ref_run = reference
     config = write_config(tmp_path, **{"strategy.type": strategy})
-    log_dir = tmp_path / "logs-a"
-    log_dir.mkdir()
-    agents = start_agents(config, log_dir=log_dir)
-    progress = tmp_path / "progress.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # stop it as a pod deletion would, mid-training
-        if progress.exists() and json.loads(progress.read_text()).get("step", 0) >= 3:
-            break
-        time.sleep(0.02)
-    for a in agents:
-        os.killpg(a.pid, signal.SIGTERM)
-    stopped = wait_agents(agents, log_dir)
+    # Stopped as a pod deletion would, mid-training.
+    stopped = stop_at_step(config, tmp_path / "progress.json", 3, tmp_path / "logs-a")
     preempted = stopped.event("preempted")
-    assert preempted, stopped.output[-3000:]
+    assert preempted, stopped.tails()
     stop_step = preempted["step"]
     assert 3 <= stop_step < 20
     assert committed_steps(tmp_path / "ckpt")[-1] == stop_step
@@ -108,11 +97,13 @@ def test_sigterm_exits_with_the_preempted_code_after_a_final_checkpoint(tmp_path
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip
     progress = tmp_path / "progress.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (progress.exists() and json.loads(progress.read_text())["step"] >= 2):
+    deadline, reached = time.monotonic() + 300, False
+    while not reached and time.monotonic() < deadline and proc.poll() is None:
+        reached = progress.exists() and json.loads(progress.read_text())["step"] >= 2
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
+    assert reached, f"step 2 was never reached: {out[-2000:]}"
     assert proc.returncode == ExitCode.PREEMPTED, out[-2000:]
     preempted = Run([proc.returncode], out).event("preempted")
     assert preempted["step"] >= 2

@@ -31,6 +31,10 @@ from localstack import containers as podcontainers
 from localstack.kubelet import KubeletServer
 from localstack.podstart import BRIDGE, GATEWAY, NODE_LABEL, SUBNET, PodRun, PodStarter, can_isolate, now, sh
 
+# The name of a fork server the trainer's agent forked from itself (sharded_trainer.agent.SERVER_NAME): its
+# command line is the agent's, so only its name tells it apart.
+FORKED_SERVER = b"sharded-forksrv"
+
 
 class NodeAgent(PodStarter):
     """Runs the pods bound to `nodes` until stop(); see the module docstring."""
@@ -273,11 +277,12 @@ class NodeAgent(PodStarter):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
                 parent_argv = Path(f"/proc/{parent}/cmdline").read_bytes()
+                parent_name = Path(f"/proc/{parent}/comm").read_bytes().strip()
             except (OSError, IndexError):
                 continue
             launchers = {b"sharded_trainer.launch", b"torch.distributed.run", b"sharded_trainer.agent"}
             spawned = b"sharded_trainer" in argv and not launchers & set(argv)
-            if spawned or b"multiprocessing.forkserver" in parent_argv:
+            if spawned or b"multiprocessing.forkserver" in parent_argv or parent_name == FORKED_SERVER:
                 workers.append(int(pid))
         return workers
 

@@ -121,8 +121,11 @@ def test_a_killed_worker_is_restarted_in_place_and_training_resumes_from_the_new
     # The workers are forked by the agent's fork server, which imported torch before any worker started.
     [server] = [pid for pid in children(torchrun) if helper(pid) == "forkserver"]
     assert "libtorch_cpu.so" in Path(f"/proc/{server}/maps").read_text()
+    # Forked from the agent after its imports (its command line is the agent's), so it imported nothing itself.
+    assert Path(f"/proc/{server}/cmdline").read_bytes() == Path(f"/proc/{torchrun}/cmdline").read_bytes()
     running = workers(torchrun)
     assert len(running) == 2 and set(running) <= set(children(server))
+    assert {Path(f"/proc/{pid}/comm").read_text().strip() for pid in running} == {Path(sys.executable).name[:15]}
     os.kill(running[1], signal.SIGKILL)  # no checkpoint, no goodbye
     # The restarted workers come from the same server: the restart forks, it does not import again.
     while proc.poll() is None and (len(workers(torchrun)) < 2 or set(workers(torchrun)) & set(running)):

@@ -57,3 +57,41 @@ def test_a_config_the_server_cannot_read_only_means_no_extra_imports(tmp_path, b
         path.write_text(body)
     assert preload([WORKER, "--config", str(path)]) == PRELOAD
     assert preload([WORKER]) == PRELOAD
+
+
+SERVE = """
+import json, multiprocessing, os, sys, threading
+from pathlib import Path
+from sharded_trainer import agent
+if sys.argv[1] == "thread":  # a thread already running, as torchrun's are once it starts
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+agent.start_server(["json"])
+server = multiprocessing.forkserver._forkserver._forkserver_pid
+child = multiprocessing.get_context("forkserver").Process(target=os._exit, args=(7,))
+child.start()
+child.join()
+print(json.dumps({"helper": agent.helper(server), "exit": child.exitcode,
+                  "comm": Path(f"/proc/{server}/comm").read_text().strip(),
+                  "cmdline": Path(f"/proc/{server}/cmdline").read_text()}))
+"""
+
+
+@pytest.mark.parametrize("threads", ["none", "thread"])
+def test_the_server_is_forked_from_the_agent_unless_a_thread_runs_and_forks_workers_either_way(threads):
+    """Forked, the server has the agent's imports and command line and is told apart by its name; with a
+    thread running (forking then is unsafe) it is spawned and imports for itself, as multiprocessing does."""
+    import json
+    import subprocess
+    import sys
+
+    from localstack.nodeagent import FORKED_SERVER
+
+    out = subprocess.run([sys.executable, "-c", SERVE, threads], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["exit"] == 7 and got["helper"] == "forkserver"  # it forks a working process; launch finds it
+    if threads == "none":
+        assert got["comm"] == agent.SERVER_NAME.decode() == FORKED_SERVER.decode()
+        assert got["cmdline"].split("\0")[-2] == "none"  # the agent's own command line
+    else:
+        assert "from multiprocessing.forkserver import main" in got["cmdline"]

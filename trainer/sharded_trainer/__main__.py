@@ -17,6 +17,7 @@ import sys
 from sharded_api.contract import ExitCode
 from sharded_api.loading import ConfigError, load_config
 from sharded_api.quantity import memory_bytes
+from sharded_trainer.agent import name_worker
 from sharded_trainer.launch import record_exit
 from sharded_trainer.reporting.progress import target_from_env
 
@@ -73,6 +74,7 @@ def _plan(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    name_worker()
     return record_exit(_main(sys.argv[1:] if argv is None else argv))
 
 

@@ -5,10 +5,12 @@
 Importing torch and the trainer takes a worker about 5 s of CPU, and on a small node every worker of every
 start pays it at once (4 workers on 2 cores: 8-10 s before a process group). torchrun can run its workers
 as a function (`--run-path`) started through a multiprocessing start method; with `forkserver`, one server
-process imports everything once, the first time workers start, and every later start, an in-place
-restart above all, forks workers that have it already. The server process imports only: it never touches
-CUDA (a CUDA context does not survive a fork) and never imports DeepSpeed (whose accelerator probe
-may), so the workers begin exactly as spawned ones do, with the imports done.
+process holds everything imported, and every start, an in-place restart above all, forks workers that have
+it already. The agent imports torch for torchrun anyway: it imports the trainer too and forks the server
+from itself before torchrun starts a thread, so the imports are paid once per pod, not twice (a server
+spawned the usual way imports torch again: about 4 s of CPU per node start). Neither the agent before the
+fork nor the server ever touches CUDA (a CUDA context does not survive a fork) or imports DeepSpeed (whose
+accelerator probe may), so the workers begin exactly as spawned ones do, with the imports done.
 
 Everything else is torchrun's own (`torch.distributed.run.main`): the PET_* settings, the rendezvous,
 restarts, the exit codes. A worker's exit code is its own (SystemExit carries it out of the forked
@@ -17,6 +19,7 @@ process), as with spawned workers.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -89,12 +92,80 @@ def helper(pid: int) -> str | None:
     are not workers), or None."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if Path(f"/proc/{pid}/comm").read_bytes().strip() == SERVER_NAME:
+            return "forkserver"  # forked from the agent (start_server): the agent's own command line
     except OSError:
         return None
     for name in ("forkserver", "resource_tracker"):
         if f"multiprocessing.{name}".encode() in argv:
             return name
     return None
+
+
+SERVER_NAME = b"sharded-forksrv"  # the fork server's /proc/<pid>/comm, where it is forked (15 bytes at most)
+
+
+def start_server(modules: list[str]) -> None:
+    """Import `modules` here, then fork the fork server from this process: the agent imports torch for
+    torchrun anyway, so the server begins with everything in memory and pays no import of its own (a
+    spawned server imports torch a second time: about 4 s of CPU per node start).
+
+    Forked only while no Python thread runs (torchrun's start later); anywhere else the server is spawned and
+    imports `modules` itself, as multiprocessing always does."""
+    import threading
+
+    for name in modules:
+        __import__(name)
+    if threading.active_count() > 1 or forkserver._forkserver._forkserver_pid is not None:
+        multiprocessing.set_forkserver_preload(modules)
+        forkserver.ensure_running()
+        return
+    import socket
+    from multiprocessing import connection, resource_tracker, util
+
+    resource_tracker.ensure_running()  # before the fork: the server and its workers share the agent's
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        # Every client holds the write end of the "alive" pipe: the server exits once all of them are gone.
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: it never returns into the agent's code
+            code = 0
+            try:
+                os.close(alive_w)  # a spawned server never had it; holding it, this one would never see EOF
+                _name_this_process(SERVER_NAME)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:
+                pass
+            except BaseException:
+                code = 1
+                sys.excepthook(*sys.exc_info())
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _name_this_process(name: bytes) -> None:
+    """Set /proc/self/comm (what `ps` and `helper` read) through prctl(PR_SET_NAME)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
+
+
+def name_worker() -> None:
+    """In a worker forked by that server: the interpreter's name back, so `ps` and `top` show it as what it is."""
+    with contextlib.suppress(OSError):
+        if Path("/proc/self/comm").read_bytes().strip() == SERVER_NAME:
+            _name_this_process(Path(sys.executable).name.encode()[:15])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,9 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         procs = os.environ.get(PodEnv.NPROC_PER_NODE, "")
         if procs.isdigit() and int(procs) > 1:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-        multiprocessing.set_forkserver_preload(preload(args))
-        # Started now, its imports overlap the agent's own and the rendezvous instead of following them.
-        forkserver.ensure_running()
+        start_server(preload(args))
     from torch.distributed.run import main as torchrun
 
     torchrun(args)

@@ -65,9 +65,12 @@ from pathlib import Path
 from sharded_trainer import agent
 if sys.argv[1] == "thread":  # a thread already running, as torchrun's are once it starts
     threading.Thread(target=threading.Event().wait, daemon=True).start()
+os.environ["PYTHONUNBUFFERED"] = "1"  # as agent.main() sets it: after this interpreter made its streams
 agent.start_server(["json"])
 server = multiprocessing.forkserver._forkserver._forkserver_pid
-child = multiprocessing.get_context("forkserver").Process(target=os._exit, args=(7,))
+# A worker's line, and an exit that flushes nothing.
+child = multiprocessing.get_context("forkserver").Process(
+    target=exec, args=("import os; print('a line from the worker'); os._exit(7)",))
 child.start()
 child.join()
 print(json.dumps({"helper": agent.helper(server), "exit": child.exitcode,
@@ -81,15 +84,19 @@ def test_the_server_is_forked_from_the_agent_unless_a_thread_runs_and_forks_work
     """Forked, the server has the agent's imports and command line and is told apart by its name; with a
     thread running (forking then is unsafe) it is spawned and imports for itself, as multiprocessing does."""
     import json
+    import os
     import subprocess
     import sys
 
     from localstack.nodeagent import FORKED_SERVER
 
-    out = subprocess.run([sys.executable, "-c", SERVE, threads], capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # output to a pipe: block-buffered
+    out = subprocess.run([sys.executable, "-c", SERVE, threads], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout)
+    *lines, last = out.stdout.splitlines()
+    got = json.loads(last)
     assert got["exit"] == 7 and got["helper"] == "forkserver"  # it forks a working process; launch finds it
+    assert lines == ["a line from the worker"]  # written through, as by a spawned server's `python -u` workers
     if threads == "none":
         assert got["comm"] == agent.SERVER_NAME.decode() == FORKED_SERVER.decode()
         assert got["cmdline"].split("\0")[-2] == "none"  # the agent's own command line

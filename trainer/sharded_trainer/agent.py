@@ -140,6 +140,11 @@ def start_server(modules: list[str]) -> None:
             try:
                 os.close(alive_w)  # a spawned server never had it; holding it, this one would never see EOF
                 _name_this_process(SERVER_NAME)
+                # The agent's streams were set up before main() asked for unbuffered output (a spawned server
+                # reads it from the environment): the workers' lines reach the pod's log as they are written.
+                for stream in (sys.stdout, sys.stderr):
+                    if stream is not None:
+                        stream.reconfigure(line_buffering=True, write_through=True)
                 forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:
                 pass

@@ -13,7 +13,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from conftest import wait_for
-from localstack.kueue import MANAGED_LABEL, LocalKueue, can_run
+from localstack.kueue import KUEUE_API, MANAGED_LABEL, LocalKueue, can_run
 from sharded_operator.api.models import GROUP, PLURAL, VERSION, training_pods
 from support.jobs import make_job
 
@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(not can_run(), reason="Kueue runs in a private mount namespace: needs root"),
 ]
-KUEUE = "kueue.x-k8s.io/v1beta2"
+KUEUE = KUEUE_API
 GATE = "kueue.x-k8s.io/admission"
 
 

@@ -12,7 +12,7 @@ import uuid
 import pytest
 from kubernetes.client.rest import ApiException
 
-from conftest import wait_for
+from conftest import STUCK, wait_for
 from sharded_api.contract import iso
 from sharded_operator.api.models import (
     ANNOTATION_CREATED_BY,
@@ -128,7 +128,7 @@ def test_a_node_that_stops_reporting_is_lost_and_its_stuck_pod_is_forced_out(ops
     ops.create(gpu_job().spec("failurePolicy.nodeLostSeconds", 10))
     victim = next(p for p in ops.wait_running_attempt(1, 2) if p.metadata.name == "j-1")
     lost = victim.spec.node_name
-    core.patch_namespaced_pod("j-1", ops.ns, {"metadata": {"annotations": {"kwok.sharded.dev/stuck": "true"}}})
+    core.patch_namespaced_pod("j-1", ops.ns, {"metadata": {"annotations": {STUCK: "true"}}})
     down = {"metadata": {"annotations": {"kwok.sharded.dev/down": "true"}}, "spec": {"unschedulable": True}}
     core.patch_node(lost, down)
     since = iso(dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30))  # it stopped reporting 30 s ago
@@ -153,7 +153,7 @@ def test_a_job_created_again_under_its_name_waits_out_the_old_pods_and_never_ado
     ops.create(gpu_job())
     old_uid = ops.job()["metadata"]["uid"]
     for pod in ops.wait_running_attempt(1, 2):  # the old job's pods will outlive it, Terminating
-        stuck = {"metadata": {"annotations": {"kwok.sharded.dev/stuck": "1"}}}
+        stuck = {"metadata": {"annotations": {STUCK: "1"}}}
         core.patch_namespaced_pod(pod.metadata.name, ops.ns, stuck)
     custom.delete_namespaced_custom_object(GROUP, VERSION, ops.ns, PLURAL, "j", propagation_policy="Background")
     wait_for(lambda: all(p.metadata.deletion_timestamp for p in ops.pods()), what="the old pods terminating")

@@ -137,7 +137,7 @@ CURRENT = ("auto-check-h200x1-run2.jsonl", "auto-check-h200x1-run3.jsonl")
 
 
 def chosen_label(why: str | None) -> str | None:
-    m = re.match(r"auto: ([\w+]+)", why or "")
+    m = re.match(r"auto: ([\w+()]+)", why or "")
     return m.group(1) if m else None
 
 

@@ -24,6 +24,8 @@
 #                                 as long sequences and 8B full fine-tuning on one GPU need; with torch_compile=True
 #   *-pure                        precision bf16-pure (bf16 weights and moments, stochastically rounded AdamW)
 #   *-gc                          the trainer with activation checkpointing (the peer's -gc setting)
+#   *-sac                         the trainer with selective activation checkpointing (matrix products and
+#                                 attention kept, the element-wise work between them recomputed)
 #   *-noclip                      gradClipNorm 0: no gradient clipping, as the peer runs (max_grad_norm=0.0)
 # Env: PEER (peer script, default .devwheels/peer_hf_trainer.py), PROCS (GPUs, default 1), BATCH (4),
 # STEPS (30), MODEL_DIR (where the shape's Hugging Face directory is written, default /tmp/llama-SHAPE-hf),
@@ -70,7 +72,7 @@ arm() {  # arm LABEL COMMAND...: run one arm under the budget, keep its result l
 
 trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, strategy and compile the label names
   local label="$1" model strategy=fsdp compile=false lora="" data="{source: synthetic}" attention=auto
-  local precision=bf16 ac=false clip=1.0
+  local precision=bf16 ac=false clip=1.0 policy=full
   [[ $label == *-flex* ]] && attention=flex_attention
   [[ $label == *-sdpa* ]] && attention=sdpa
   model="{huggingface: {path: $dir, attention: $attention}}"
@@ -82,6 +84,7 @@ trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, stra
   [[ $label == *compiled* ]] && compile=true
   [[ $label == *-pure* ]] && precision=bf16-pure
   [[ $label == *-gc* ]] && ac=true
+  [[ $label == *-sac* ]] && ac=true policy=selective
   [[ $label == *-noclip* ]] && clip=0
   [[ $label == hf-lora* ]] && lora="lora: {r: 16, alpha: 32}"
   [[ $label == hf-qlora* ]] && lora="lora: {r: 16, alpha: 32, quantizeBase: nf4}"
@@ -90,7 +93,10 @@ trainer_arm() {  # trainer_arm LABEL: the trainer with the model, adapters, stra
   fi
   cat >"/tmp/hf-pairs-$label.yaml" <<YAML
 model: $model
-strategy: {type: $strategy, fsdp: {compile: $compile, activationCheckpointing: $ac}, zero2: {compile: $compile, activationCheckpointing: $ac}}
+strategy:
+  type: $strategy
+  fsdp: {compile: $compile, activationCheckpointing: $ac, activationCheckpointingPolicy: $policy}
+  zero2: {compile: $compile, activationCheckpointing: $ac, activationCheckpointingPolicy: $policy}
 data: $data
 $lora
 precision: $precision

@@ -79,7 +79,7 @@ def hf_pairs_runs() -> list[tuple[str, str, Job, Setting, float]]:
     """bench/hf_pairs.sh on one GPU: the trainer's arms (seq 2048, LoRA r16 on every linear), each arm's
     peak as its last step window reported it (not those of SUPERSEDED_ARMS)."""
     runs = []
-    paths = [*RESULTS.rglob("hf-pairs-*.txt"), *RESULTS.rglob("unsharded-*.txt")]
+    paths = [*RESULTS.rglob("hf-pairs-*.txt"), *RESULTS.rglob("unsharded-*.txt"), *RESULTS.rglob("selective-*.txt")]
     for path in sorted(paths, key=lambda p: p.name):
         head = dict(kv.split("=", 1) for kv in path.read_text().splitlines()[0].split() if "=" in kv)
         shape = load_shape({"1b": "llama-1b", "8b": "llama-8b"}[head["shape"]])
@@ -91,7 +91,8 @@ def hf_pairs_runs() -> list[tuple[str, str, Job, Setting, float]]:
             job = Job(shape, int(head["procs"]), int(head["batch"]), int(head["seq"]), lora_r=16 if lora else None,
                       nf4="qlora" in label, compile="compiled" in label,
                       precision="bf16-pure" if "-pure" in label else "bf16")  # fmt: skip
-            setting = Setting("zero2" if "zero2" in label else "fsdp", checkpointing="-gc" in label)
+            setting = Setting("zero2" if "zero2" in label else "fsdp", checkpointing="-gc" in label or "-sac" in label,
+                              selective="-sac" in label)  # fmt: skip
             runs.append((path.name, label, job, setting, arm["peak"]))
     return runs
 

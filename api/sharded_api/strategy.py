@@ -24,7 +24,27 @@ def fsdp_unsharded(world: int, precision: str, cpu_offload: bool) -> bool:
     return world == 1 and not cpu_offload and precision in ("fp32", PURE_BF16)
 
 
-class FsdpOptions(Model):
+def _policy_field():  # one FieldInfo per model: pydantic keeps per-field state on it
+    return Field(
+    "full",
+    description="What activationCheckpointing recomputes. full: each block's whole forward again in backward (the "
+    "least memory: only the block's input is kept). selective: every matrix product's and attention's output is "
+    "kept and only the element-wise work between them (norms, rotary, SiLU) is recomputed, so no matrix product "
+    "runs twice, at the cost of those outputs' memory (the memory model counts it).",
+    )  # fmt: skip
+
+
+class _Checkpointing:
+    activation_checkpointing: bool
+    activation_checkpointing_policy: Literal["full", "selective"]
+
+    @property
+    def checkpointing(self) -> Literal["full", "selective"] | None:
+        """The activation checkpointing each block gets, or None for none."""
+        return self.activation_checkpointing_policy if self.activation_checkpointing else None
+
+
+class FsdpOptions(_Checkpointing, Model):
     """PyTorch FSDP2 (`fully_shard`) options."""
 
     reshard_after_forward: bool = Field(
@@ -32,6 +52,7 @@ class FsdpOptions(Model):
     )
     cpu_offload: bool = Field(False, description="Keep parameters, gradients and optimizer state in CPU memory.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
+    activation_checkpointing_policy: Literal["full", "selective"] = _policy_field()
     compile: bool = Field(False, description="torch.compile each transformer block.")
     prefetch: int = Field(
         1, ge=0, le=4,
@@ -52,7 +73,7 @@ class FsdpOptions(Model):
     )
 
 
-class Zero2Options(Model):
+class Zero2Options(_Checkpointing, Model):
     """DeepSpeed ZeRO stage 2 options."""
 
     overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
@@ -63,6 +84,7 @@ class Zero2Options(Model):
     )
     cpu_offload_optimizer: bool = Field(False, description="Keep optimizer state on CPU (ZeRO-Offload).")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
+    activation_checkpointing_policy: Literal["full", "selective"] = _policy_field()
     compile: bool = Field(False, description="torch.compile each transformer block.")
 
 

@@ -75,7 +75,7 @@ def test_an_nf4_base_is_never_offloaded_by_fsdp2():
     estimates, chosen = memplan.plan(job, 12 * GIB)
     offload = next(e for e in estimates if e.setting == Setting("fsdp", checkpointing=True, offload=True))
     assert offload.peak < memplan.usable(12 * GIB) and chosen is None
-    assert "not with NF4" in memplan.table(job, 12 * GIB)
+    assert "not with NF4" in autoplan.table(job, 12 * GIB)
 
 
 def test_the_parameter_count_is_the_models():
@@ -223,7 +223,7 @@ def test_bf16_pure_keeps_eight_bytes_per_parameter_and_auto_keeps_it_on_fsdp2_wi
     mixed_one = estimate(Job(shape, 1, 4, 2048), chosen.setting)
     assert mixed_one.transient > 0 and mixed_one.peak > mixed_one.state + mixed_one.transient
     assert all(e.setting.strategy == "fsdp" for e in estimates)
-    assert "not with bf16-pure" in memplan.table(one, 80 * GIB) and "zero2" not in memplan.table(one, 80 * GIB)
+    assert "not with bf16-pure" in autoplan.table(one, 80 * GIB) and "zero2" not in autoplan.table(one, 80 * GIB)
     settled, why = autoplan.settle(auto_config(precision="bf16-pure"), 1, 80 * GIB)
     assert settled.strategy.type == "fsdp" and settled.strategy.fsdp.activation_checkpointing, why
     with pytest.raises(ConfigError, match="no setting fits"):  # mixed precision would offload here; pure cannot

@@ -185,7 +185,7 @@ def test_blocks_wrapped_for_activation_checkpointing_are_still_found_as_the_deco
     directory = write_model(tmp_path / "llama", "llama")
     net = build_network(TrainerConfig.model_validate({"model": {"huggingface": {"path": str(directory)}}}))
     layers = decoder_layers(net.module)
-    wrap_blocks(layers, activation_checkpointing=True, compile=False)
+    wrap_blocks(layers, checkpointing="full", compile=False)
     assert {type(b).__name__ for b in layers.children()} == {"CheckpointWrapper"}
     assert decoder_layers(net.module) is layers
 

@@ -54,7 +54,7 @@ def _plan_parser() -> argparse.ArgumentParser:
 
 
 def _plan(argv: list[str]) -> int:
-    from sharded_trainer import memplan
+    from sharded_trainer import autoplan, memplan
 
     a = _plan_parser().parse_args(argv)
     try:
@@ -69,7 +69,7 @@ def _plan(argv: list[str]) -> int:
               file=sys.stderr)  # fmt: skip
         return ExitCode.INVALID_CONFIG
     job = memplan.Job(shape, a.nodes * a.gpus_per_node, a.micro_batch, a.seq, a.lora, a.nf4, a.compile)
-    print(memplan.table(job, gpu, host))
+    print(autoplan.table(job, gpu, host))
     return ExitCode.OK
 
 

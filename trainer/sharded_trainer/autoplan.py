@@ -142,3 +142,35 @@ def host_per_process(local_world: int) -> float | None:
     """The container's host memory shared by the node's training processes."""
     total = host_memory()
     return total / max(local_world, 1) if total else None
+
+
+def table(job: Job, gpu_bytes: float, host_bytes: float | None = None) -> str:
+    """What `plan` prints: every setting's estimate, whether it fits, and the one chosen."""
+    estimates, chosen = plan(job, gpu_bytes, host_bytes=host_bytes)
+    s = job.shape
+    lines = [
+        f"model: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, vocabulary {s.vocab})"
+        + (f", LoRA r{job.lora_r}" + (" on an NF4 base" if job.nf4 else "") if job.lora_r else ", full fine-tuning"),
+        f"{job.world} processes, micro-batch {job.micro_batch} x seq {job.seq}"
+        + (", compiled" if job.compile else "")
+        + (", bf16-pure" if job.pure_bf16 else "")
+        + f"; GPU {gpu_bytes / GIB:.0f} GiB, fits under {memplan.usable(gpu_bytes) / GIB:.1f} GiB "
+        f"({MARGIN:.0%} less {HEADROOM / GIB:g} GiB)"
+        + (f"; host {host_bytes / GIB:.0f} GiB per process" if host_bytes else ""),
+        "",
+        f"{'setting':<50} {'state':>8} {'activ.':>8} {'transient':>9} {'peak GiB':>9} {'host GiB':>9}  fits",
+    ]
+    for e in estimates:
+        mark = "yes" if memplan.fits_gpu(e, gpu_bytes) else "no"
+        mark = mark if memplan.fits_host(e, host_bytes) else "no (host)"
+        if not memplan.allowed(job, e.setting):
+            mark = "not with LoRA" if e.setting.selective else "not with bf16-pure" if job.pure_bf16 else "not with NF4"
+        mark += "  <- chosen" if e is chosen else ""
+        lines.append(f"{e.setting.label:<50} {e.state / GIB:8.1f} {e.activations / GIB:8.1f} "
+                     f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f} {e.host / GIB:9.1f}  {mark}")  # fmt: skip
+    if chosen is None and any(memplan.fits_gpu(e, gpu_bytes) and memplan.allowed(job, e.setting) for e in estimates):
+        lines.append("\nnothing fits: what fits the GPU offloads more than the host holds; raise the host's memory "
+                     "(the pod's limit), add nodes, or use LoRA")  # fmt: skip
+    elif chosen is None:
+        lines.append("\nnothing fits: lower microBatchSize or seqLen, add nodes, or use LoRA")
+    return "\n".join(lines)

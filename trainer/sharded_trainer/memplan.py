@@ -17,8 +17,9 @@ step adds (bf16 mixed precision, AdamW; B = parameters, W = processes the state 
   as above.
 - Activations per token: per block, the tensors a Llama block saves for backward (7 of the hidden width,
   3 of the key/value width, 4 of the MLP width, in bf16) times ACT_SCALE; for the output head and the fp32
-  loss, LOGIT_BYTES per vocabulary entry. Activation checkpointing keeps each block's input and recomputes
-  one block at a time. Compiled, a block saves COMPILED_BLOCKS of it and the head and loss COMPILED_LOGITS.
+  loss, LOGIT_BYTES per vocabulary entry. Activation checkpointing keeps each block's input (selective: also
+  its matrix products' and attention's outputs) and recomputes one block at a time. Compiled, a block saves
+  COMPILED_BLOCKS of it and the head and loss COMPILED_LOGITS.
 
 Host memory per process: HOST_BASE, plus what offloading moves there (OFFLOAD_HOST_BYTES per trained
 parameter, over W).
@@ -166,6 +167,11 @@ class Shape:
         # gated one also the gate and the product (4); the fit was on gated blocks.
         return ACT_SCALE * 2 * (7 * self.hidden + 3 * kv + (4 if self.gated else 2) * self.ffn)
 
+    def selective_bytes(self) -> float:
+        """Bytes per token a selectively checkpointed block keeps: its input, every linear's output and
+        attention's, in bf16 (strategies.parallel._kept_ops)."""
+        return 2 * (self.hidden + sum(o for _, o in self.linears) + self.heads * self.head_dim)
+
 
 def load_shape(model: str) -> Shape:
     """A preset's name, or a Hugging Face model directory (its config.json)."""
@@ -190,6 +196,7 @@ class Setting:
     reshard: bool = True  # fsdp: reshardAfterForward
     offload: bool = False  # fsdp: cpuOffload; zero2: cpuOffloadOptimizer
     checkpointing: bool = False
+    selective: bool = False  # activationCheckpointingPolicy selective rather than full
 
     @property
     def label(self) -> str:
@@ -197,27 +204,29 @@ class Setting:
         if self.strategy == "fsdp" and not self.reshard:
             parts.append("noReshard")
         if self.checkpointing:
-            parts.append("activationCheckpointing")
+            parts.append("activationCheckpointing" + ("(selective)" if self.selective else ""))
         if self.offload:
             parts.append("cpuOffload" if self.strategy == "fsdp" else "cpuOffloadOptimizer")
         return "+".join(parts)
 
     def apply(self, strategy: StrategyConfig) -> StrategyConfig:
         """`strategy` with this setting's type and options; its other options stay as they were."""
+        update = {"activation_checkpointing": self.checkpointing,
+                  "activation_checkpointing_policy": "selective" if self.selective else "full"}  # fmt: skip
         if self.strategy == "fsdp":
-            options = strategy.fsdp.model_copy(update={"reshard_after_forward": self.reshard,
-                                                       "cpu_offload": self.offload,
-                                                       "activation_checkpointing": self.checkpointing})  # fmt: skip
+            update |= {"reshard_after_forward": self.reshard, "cpu_offload": self.offload}
         else:
-            options = strategy.zero2.model_copy(update={"cpu_offload_optimizer": self.offload,
-                                                        "activation_checkpointing": self.checkpointing})  # fmt: skip
+            update |= {"cpu_offload_optimizer": self.offload}
+        options = getattr(strategy, self.strategy).model_copy(update=update)
         return strategy.model_copy(update={"type": self.strategy, self.strategy: options})
 
 
-# Fastest first, from the H200 runs (docs/benchmarks-history.md): FSDP2 a little ahead of ZeRO-2, checkpointing about
-# 0.8x, offload several times slower.
+# Fastest first, from the H200 runs (docs/benchmarks-history.md): FSDP2 a little ahead of ZeRO-2, selective
+# checkpointing about 0.9x (8B on one H100: 0.90x eager), full checkpointing about 0.8x, offload several times
+# slower.
 SETTINGS = (
     Setting("fsdp", reshard=False), Setting("fsdp"), Setting("zero2"),
+    Setting("fsdp", checkpointing=True, selective=True), Setting("zero2", checkpointing=True, selective=True),
     Setting("fsdp", checkpointing=True), Setting("zero2", checkpointing=True),
     Setting("zero2", checkpointing=True, offload=True), Setting("fsdp", checkpointing=True, offload=True),
 )  # fmt: skip
@@ -287,7 +296,10 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     tokens = job.micro_batch * job.rows * job.seq
     blocks = s.layers * s.block_act_bytes()
     if setting.checkpointing:
-        blocks = s.layers * 2 * s.hidden + s.block_act_bytes()
+        # Each block's input, its matrix products' and attention's outputs when selective, and one block
+        # recomputed at a time.
+        kept_per_block = s.selective_bytes() if setting.selective else 2 * s.hidden
+        blocks = s.layers * kept_per_block + s.block_act_bytes()
     if job.compile:
         act = tokens * (blocks * COMPILED_BLOCKS + s.vocab * LOGIT_BYTES * COMPILED_LOGITS)
     else:
@@ -332,7 +344,10 @@ def estimate(job: Job, setting: Setting) -> Estimate:
 
 def allowed(job: Job, setting: Setting) -> bool:
     """FSDP2 cannot offload an NF4 base to host memory, nor train bf16-pure offloaded (config rules on
-    strategy.fsdp.cpuOffload and precision)."""
+    strategy.fsdp.cpuOffload and precision). Selective checkpointing is planned for full fine-tuning only: under
+    LoRA each adapted linear adds its adapters' products to what is kept, which no run has measured."""
+    if setting.selective and job.lora_r is not None:
+        return False
     return not ((job.nf4 or job.pure_bf16) and setting.strategy == "fsdp" and setting.offload)
 
 
@@ -368,33 +383,3 @@ def strategy_types(precision: str, kept: str | None = None) -> frozenset[str]:
 def usable(gpu_bytes: float) -> float:
     """What a setting's predicted peak may reach on a GPU of `gpu_bytes`."""
     return MARGIN * gpu_bytes - HEADROOM
-
-
-def table(job: Job, gpu_bytes: float, host_bytes: float | None = None) -> str:
-    estimates, chosen = plan(job, gpu_bytes, host_bytes=host_bytes)
-    s = job.shape
-    lines = [
-        f"model: {s.params / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}, vocabulary {s.vocab})"
-        + (f", LoRA r{job.lora_r}" + (" on an NF4 base" if job.nf4 else "") if job.lora_r else ", full fine-tuning"),
-        f"{job.world} processes, micro-batch {job.micro_batch} x seq {job.seq}"
-        + (", compiled" if job.compile else "")
-        + (", bf16-pure" if job.pure_bf16 else "")
-        + f"; GPU {gpu_bytes / GIB:.0f} GiB, fits under {usable(gpu_bytes) / GIB:.1f} GiB "
-        f"({MARGIN:.0%} less {HEADROOM / GIB:g} GiB)"
-        + (f"; host {host_bytes / GIB:.0f} GiB per process" if host_bytes else ""),
-        "",
-        f"{'setting':<50} {'state':>8} {'activ.':>8} {'transient':>9} {'peak GiB':>9} {'host GiB':>9}  fits",
-    ]
-    for e in estimates:
-        mark = "yes" if fits_gpu(e, gpu_bytes) else "no"
-        mark = mark if fits_host(e, host_bytes) else "no (host)"
-        mark = mark if allowed(job, e.setting) else "not with bf16-pure" if job.pure_bf16 else "not with NF4"
-        mark += "  <- chosen" if e is chosen else ""
-        lines.append(f"{e.setting.label:<50} {e.state / GIB:8.1f} {e.activations / GIB:8.1f} "
-                     f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f} {e.host / GIB:9.1f}  {mark}")  # fmt: skip
-    if chosen is None and any(fits_gpu(e, gpu_bytes) and allowed(job, e.setting) for e in estimates):
-        lines.append("\nnothing fits: what fits the GPU offloads more than the host holds; raise the host's memory "
-                     "(the pod's limit), add nodes, or use LoRA")  # fmt: skip
-    elif chosen is None:
-        lines.append("\nnothing fits: lower microBatchSize or seqLen, add nodes, or use LoRA")
-    return "\n".join(lines)

@@ -165,7 +165,7 @@ def plan(a: argparse.Namespace) -> int:
         gpu = memory_bytes(a.gpu_memory)
     except ValueError as e:
         raise JobError(f"--gpu-memory {e}") from None
-    print(memplan.table(job, gpu))
+    print(autoplan.table(job, gpu))
     return 0
 
 

@@ -56,9 +56,7 @@ def apply_fsdp(
     extra = {"offload_policy": offload} if options.cpu_offload else {}
     if ignored:
         extra["ignored_params"] = ignored
-    sharded = wrap_blocks(
-        decoder_layers(model), activation_checkpointing=options.activation_checkpointing, compile=options.compile
-    )
+    sharded = wrap_blocks(decoder_layers(model), checkpointing=options.checkpointing, compile=options.compile)
     for block in sharded:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=options.reshard_after_forward, **extra)
     # The root's parameters are needed again at the start of backward: keep them gathered. A frozen module
@@ -137,7 +135,7 @@ class FsdpStrategy:
         read from the source it was built from."""
         if self.unsharded:
             module = net.module
-            wrap_blocks(decoder_layers(module), activation_checkpointing=options.activation_checkpointing,
+            wrap_blocks(decoder_layers(module), checkpointing=options.checkpointing,
                         compile=options.compile)  # fmt: skip
             if net.source is None:
                 module.to(self.env.device)

@@ -114,14 +114,39 @@ def decoder_layers(model: nn.Module) -> nn.Module:
     return best
 
 
-def wrap_blocks(layers: nn.Module, *, activation_checkpointing: bool, compile: bool) -> list[nn.Module]:
-    """Apply activation checkpointing and torch.compile to each block of `layers` (decoder_layers); return them."""
+# What a selective checkpoint keeps: the outputs of the matrix products and of attention, the work that is
+# costly to redo. Everything else in a block (norms, rotary, SiLU and its product, residual adds, casts) is
+# recomputed from them in backward: element-wise passes over memory, a few percent of the block's time.
+def _kept_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = (
+        "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+    )  # fmt: skip
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kept = _kept_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def wrap_blocks(layers: nn.Module, *, checkpointing: str | None, compile: bool) -> list[nn.Module]:
+    """Apply activation checkpointing (None, "full" or "selective": FsdpOptions.checkpointing) and torch.compile
+    to each block of `layers` (decoder_layers); return them."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    extra = {"context_fn": _selective_context} if checkpointing == "selective" else {}
     for name, block in list(layers.named_children()):
-        if activation_checkpointing:
+        if checkpointing:
             # The wrapper keeps parameter names clean in state dicts (DCP strips its prefix).
-            block = checkpoint_wrapper(block, preserve_rng_state=False)
+            block = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
             setattr(layers, name, block)
         if compile:
             block.compile()  # in place, so parameter FQNs do not gain an `_orig_mod.` prefix

@@ -64,9 +64,7 @@ def apply_zero2(net: Network, *, cfg: TrainerConfig, device: torch.device):
     import deepspeed
 
     options, model = cfg.strategy.zero2, net.module
-    wrap_blocks(
-        decoder_layers(model), activation_checkpointing=options.activation_checkpointing, compile=options.compile
-    )
+    wrap_blocks(decoder_layers(model), checkpointing=options.checkpointing, compile=options.compile)
     if net.source is not None:
         # ZeRO-2 keeps every parameter on every rank: read each once, in the dtype it is kept in, straight
         # into its place on the device (no full fp32 copy in host memory).
@@ -115,7 +113,7 @@ class Zero2Strategy:
     def _place_copy(self, net: Network) -> nn.Module:
         """DPO's frozen reference whole on every rank, as ZeRO-2 keeps the policy's parameters (outside the engine:
         it has no gradients or optimizer state)."""
-        wrap_blocks(decoder_layers(net.module), activation_checkpointing=False, compile=self.cfg.strategy.zero2.compile)
+        wrap_blocks(decoder_layers(net.module), checkpointing=None, compile=self.cfg.strategy.zero2.compile)
         if net.source is not None:
             materialize(net.module, self.env.device, net.source)
         else:

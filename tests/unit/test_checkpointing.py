@@ -24,13 +24,14 @@ class _MatmulCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run(directory, checkpointing: str | None) -> tuple[int, int, dict[str, torch.Tensor]]:
+def _run(directory, checkpointing: str | None, lora: dict | None = None) -> tuple[int, int, dict[str, torch.Tensor]]:
     """Matrix products in forward and in backward, and the gradients, of one step with `checkpointing`."""
     from sharded_trainer.modeling.build import build_network
     from sharded_trainer.strategies.parallel import decoder_layers, materialize, wrap_blocks
 
     torch.manual_seed(0)
-    net = build_network(TrainerConfig.model_validate({"model": {"huggingface": {"path": str(directory)}}}))
+    cfg = {"model": {"huggingface": {"path": str(directory)}}, **({"lora": lora} if lora else {})}
+    net = build_network(TrainerConfig.model_validate(cfg))
     materialize(net.module, torch.device("cpu"), net.source)
     wrap_blocks(decoder_layers(net.module), checkpointing=checkpointing, compile=False)
     vocab = net.module.get_input_embeddings().num_embeddings
@@ -47,9 +48,29 @@ def _run(directory, checkpointing: str | None) -> tuple[int, int, dict[str, torc
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    directory = write_model(tmp_path_factory.mktemp("llama") / "llama", "llama")
+def directory(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("llama") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def runs(directory):
     return {policy: _run(directory, policy) for policy in (None, "full", "selective")}
+
+
+def test_under_lora_selective_checkpointing_redoes_only_the_adapters_narrow_products(directory):
+    """An adapter's B widens rank r to the layer's width: redoing it costs next to nothing, keeping its output as
+    much memory as the base layer's, so it alone is recomputed (rank 4 on a block 64 wide)."""
+    lora = {"r": 4, "alpha": 8}
+    forward, plain_backward, plain = _run(directory, None, lora)
+    layers, linears = 2, 7
+    assert forward == layers * linears * 3 + 1  # base, A and B of each linear; the head
+    _, backward, grads = _run(directory, "selective", lora)
+    # Recomputation stops once backward has what it needs: the down projection's B output feeds only the next
+    # block, so it is not redone.
+    assert backward == plain_backward + layers * (linears - 1)
+    assert grads.keys() == plain.keys() and plain and all("lora_" in name for name in grads)
+    for name, g in plain.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
 
 
 def test_full_checkpointing_runs_every_block_product_again_and_selective_none(runs):

@@ -167,10 +167,12 @@ class Shape:
         # gated one also the gate and the product (4); the fit was on gated blocks.
         return ACT_SCALE * 2 * (7 * self.hidden + 3 * kv + (4 if self.gated else 2) * self.ffn)
 
-    def selective_bytes(self) -> float:
+    def selective_bytes(self, lora_r: int | None = None) -> float:
         """Bytes per token a selectively checkpointed block keeps: its input, every linear's output and
-        attention's, in bf16 (strategies.parallel._kept_ops)."""
-        return 2 * (self.hidden + sum(o for _, o in self.linears) + self.heads * self.head_dim)
+        attention's, in bf16; under LoRA also each adapter's A output (its B is recomputed:
+        strategies.parallel._selective_context)."""
+        adapters = (lora_r or 0) * len(self.linears)
+        return 2 * (self.hidden + sum(o for _, o in self.linears) + self.heads * self.head_dim + adapters)
 
 
 def load_shape(model: str) -> Shape:
@@ -298,7 +300,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     if setting.checkpointing:
         # Each block's input, its matrix products' and attention's outputs when selective, and one block
         # recomputed at a time.
-        kept_per_block = s.selective_bytes() if setting.selective else 2 * s.hidden
+        kept_per_block = s.selective_bytes(job.lora_r) if setting.selective else 2 * s.hidden
         blocks = s.layers * kept_per_block + s.block_act_bytes()
     if job.compile:
         act = tokens * (blocks * COMPILED_BLOCKS + s.vocab * LOGIT_BYTES * COMPILED_LOGITS)
@@ -344,9 +346,9 @@ def estimate(job: Job, setting: Setting) -> Estimate:
 
 def allowed(job: Job, setting: Setting) -> bool:
     """FSDP2 cannot offload an NF4 base to host memory, nor train bf16-pure offloaded (config rules on
-    strategy.fsdp.cpuOffload and precision). Selective checkpointing is planned for full fine-tuning only: under
-    LoRA each adapted linear adds its adapters' products to what is kept, which no run has measured."""
-    if setting.selective and job.lora_r is not None:
+    strategy.fsdp.cpuOffload and precision). Selective checkpointing is not planned over an NF4 base, whose
+    dequantization is a checkpoint of its own (RecomputedNF4Linear) that no selective run has measured."""
+    if setting.selective and job.nf4:
         return False
     return not ((job.nf4 or job.pure_bf16) and setting.strategy == "fsdp" and setting.offload)
 

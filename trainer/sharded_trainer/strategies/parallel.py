@@ -116,23 +116,31 @@ def decoder_layers(model: nn.Module) -> nn.Module:
 
 # What a selective checkpoint keeps: the outputs of the matrix products and of attention, the work that is
 # costly to redo. Everything else in a block (norms, rotary, SiLU and its product, residual adds, casts) is
-# recomputed from them in backward: element-wise passes over memory, a few percent of the block's time.
-def _kept_ops() -> frozenset:
-    aten = torch.ops.aten
-    names = (
-        "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-    )  # fmt: skip
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+# recomputed from them in backward: element-wise passes over memory, a few percent of the block's time. A
+# product's cost to redo over its output's size is its inner dimension: one whose inner dimension is at most an
+# eighth of its output's width (a LoRA adapter's B, of rank r, widening to the layer's width) is recomputed, as
+# keeping it would cost as much memory as the base layer's output for almost no work saved.
+_NARROW = 8
 
 
 def _selective_context():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    kept = _kept_ops()
+    aten = torch.ops.aten
+    products = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1}  # op -> its left operand
+    attention = {
+        getattr(aten, n).default
+        for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+        if hasattr(aten, n)
+    }  # fmt: skip
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+        if op in products:
+            left, right = args[products[op]], args[products[op] + 1]
+            narrow = left.shape[-1] * _NARROW <= right.shape[-1]
+            return CheckpointPolicy.PREFER_RECOMPUTE if narrow else CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if op in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 

@@ -28,9 +28,10 @@ declare -A version=(
   [kwok]=$KWOK_VERSION-$(sha256sum "$here/patches/kwok-pod-uid.patch" | cut -c1-8) [helm]=$HELM_VERSION [actionlint]=$ACTIONLINT_VERSION [kueue]=$KUEUE_VERSION
   [vc-scheduler]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION [vc-controller-manager]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION
   [coscheduler]=$SCHEDULER_PLUGINS_VERSION
+  [coredns]=$COREDNS_VERSION-$(sha256sum "$here/coredns/main.go" | cut -c1-8)
 )
 order=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet etcd kwok helm actionlint kueue
-       vc-scheduler vc-controller-manager coscheduler)
+       vc-scheduler vc-controller-manager coscheduler coredns)
 
 missing=0
 for b in "${order[@]}"; do
@@ -117,6 +118,7 @@ build() {  # build NAME MODULE PACKAGE [LDFLAGS]
       kwok) dir="$(patched_kwok)" ;;
       vc-*) dir="$(main_module volcano.sh/volcano "$VOLCANO_VERSION" "volcano.sh/apis=volcano.sh/apis@$VOLCANO_APIS_VERSION")" ;;
       coscheduler) dir="$(main_module sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS_VERSION")" ;;
+      coredns) dir="$(wrapper github.com/coredns/coredns "$COREDNS_VERSION")" && cp "$here/coredns/main.go" "$dir/" ;;
       *) dir="$(wrapper "$module" "$ver")" ;;
     esac
     (cd "$dir" && go build -trimpath -ldflags "-s -w $ldflags" -o "$out.tmp" "$pkg")
@@ -158,6 +160,8 @@ ln -sfn "$kueue_config" "$bin_dir/kueue-config"
 build vc-scheduler volcano.sh/volcano ./cmd/scheduler
 build vc-controller-manager volcano.sh/volcano ./cmd/controller-manager
 build coscheduler sigs.k8s.io/scheduler-plugins ./cmd/scheduler
+# Cluster DNS for the real nodes: hack/coredns/main.go, CoreDNS with only the plugins the local stack needs.
+build coredns github.com/coredns/coredns . "-X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION"
 # Their CRDs, and the scheduler configuration Volcano's chart installs, from the same module versions.
 volcano_config="$store/volcano-config@$VOLCANO_VERSION"
 if [ ! -d "$volcano_config" ]; then

@@ -37,6 +37,11 @@ from localstack.processes import stop_pid_file
 
 CACHE = Path(os.environ.get("SHARDED_CACHE_DIR") or Path.home() / ".cache" / "sharded-training")
 NODE_BRIDGE = "shardednode0"
+# Cluster DNS (CoreDNS, hack/coredns) on the host-only bridge, as the nodes' addresses are: the nameserver every
+# real node's kubelet writes into its pods' resolv.conf, answering the cluster domain from the API server.
+DNS_IP = "10.201.0.254"
+CLUSTER_DOMAIN = "cluster.local"
+POD_NETWORK = "10.88.0.0/16"  # every real node's pod subnet, 10.88.<index>.0/24
 TAINT = {"key": "sharded.dev/real-node", "value": "true", "effect": "NoSchedule"}
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 # Debian's packages the node runs on; containerd and runc also come with docker.io.
@@ -159,6 +164,46 @@ def ensure_node_bridge() -> None:
     if _run("ip", "link", "show", NODE_BRIDGE, check=False).returncode != 0:
         _run("ip", "link", "add", NODE_BRIDGE, "type", "bridge")
         _run("ip", "link", "set", NODE_BRIDGE, "up")
+    # Pods of one node reach another node's pods through this host, which routes between the nodes' CNI
+    # bridges; Docker leaves the FORWARD chain's policy at DROP, so let the pod network through (no NAT: each
+    # pod sees the other's own address, as on a cluster's flat pod network).
+    rule = ["FORWARD", "-s", POD_NETWORK, "-d", POD_NETWORK, "-j", "ACCEPT"]
+    if _run("iptables", "-C", *rule, check=False).returncode != 0:
+        _run("iptables", "-I", *rule)
+
+
+def ensure_cluster_dns(cluster: LocalCluster, timeout: float = 60) -> None:
+    """CoreDNS serving the cluster domain from the API server on DNS_IP:53 (Services; a headless Service's pods
+    by hostname and subdomain, which is how a job's pods find pod 0), started once per cluster and stopped with
+    it (its pid file is the cluster's)."""
+    pid_file, log = cluster.workdir / "pids" / "coredns", cluster.workdir / "logs" / "coredns.log"
+    if pid_file.exists() and Path(f"/proc/{pid_file.read_text().strip()}").exists():
+        return
+    ensure_node_bridge()
+    _run("ip", "addr", "replace", f"{DNS_IP}/32", "dev", NODE_BRIDGE)
+    corefile = cluster.workdir / "Corefile"
+    corefile.write_text(f"""{CLUSTER_DOMAIN}:53 {{
+    bind {DNS_IP}
+    errors
+    log
+    kubernetes {CLUSTER_DOMAIN} {{
+        kubeconfig {cluster.kubeconfig}
+    }}
+}}
+""")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([str(cluster.bin_dir / "coredns"), "-conf", str(corefile)], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    pid_file.parent.mkdir(exist_ok=True)
+    pid_file.write_text(str(proc.pid))
+    # The kubernetes plugin holds the server back until its first list of the API server has synced; the banner
+    # comes once it serves.
+    deadline = time.monotonic() + timeout
+    while "CoreDNS-" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise TimeoutError(f"CoreDNS did not start serving; {log}:\n{log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.2)
 
 
 @dataclass
@@ -199,7 +244,7 @@ class RealNode:
         (r / "cni").mkdir(parents=True, exist_ok=True)
         (r / "cni" / "10-bridge.conflist").write_text(json.dumps({
             "cniVersion": "1.0.0", "name": self.name, "plugins": [
-                {"type": "bridge", "bridge": f"cni-{self.name}", "isGateway": True, "ipMasq": False,
+                {"type": "bridge", "bridge": f"cni-{self.name}", "isDefaultGateway": True, "ipMasq": False,
                  "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]], "dataDir": str(r / "ipam")}},
                 {"type": "loopback"},
             ]}))  # fmt: skip
@@ -248,12 +293,16 @@ state = "{r}/containerd/state"
             "evictionHard": {}, "imageGCHighThresholdPercent": 100, "localStorageCapacityIsolation": False,
             "makeIPTablesUtilChains": False, "registerWithTaints": [TAINT],
             "resolvConf": "/etc/resolv.conf", "serializeImagePulls": False,
+            "clusterDNS": [DNS_IP], "clusterDomain": CLUSTER_DOMAIN,
+            # Its own, not the host's /var/log/pods: a kubelet removes the log directories of pods it does not
+            # know, which on a shared directory are the other nodes' pods.
+            "podLogsDir": str(r / "pod-logs"),
         }))  # fmt: skip
         return containerd, kubeconfig, kubelet
 
     def start(self, images: list[Path], timeout: float = 90) -> RealNode:
         ensure_packages()
-        ensure_node_bridge()
+        ensure_cluster_dns(self.cluster)
         _run("ip", "addr", "replace", f"{self.ip}/32", "dev", NODE_BRIDGE)
         self.root.mkdir(parents=True, exist_ok=True)
         containerd, kubeconfig, kubelet = self._write_configs()

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 
 from localstack import cluster as localcluster
-from localstack.realnode import PROBE_IMAGE, TAINT, RealNode, probe_image, stop_node
+from localstack.realnode import CLUSTER_DOMAIN, PROBE_IMAGE, TAINT, RealNode, probe_image, stop_node
 from sharded_api.contract import PodEnv
-from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_INDEX
+from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB
 from sharded_operator.decide.views import PodView
 from sharded_operator.render import children, podspec
 from sharded_operator.run.issuer import IssuerKeys
@@ -58,6 +58,16 @@ def node():
             yield real.start([probe_image()])
         finally:
             real.stop()
+
+
+@pytest.fixture(scope="module")
+def second_node(node):
+    """Another real node of the same cluster: its own kubelet, containerd and pod subnet."""
+    real = RealNode(node.cluster, 2)
+    try:
+        yield real.start([probe_image()])
+    finally:
+        real.stop()
 
 
 @pytest.fixture
@@ -416,3 +426,60 @@ def _is_attempt(proc: Path, script: str, attempt: int) -> bool:
         )
     except (OSError, IndexError):
         return False
+
+
+def test_a_jobs_pods_on_two_real_nodes_reach_pod_0_by_its_name_through_cluster_dns(
+    node, second_node, namespace, tmp_path
+):
+    """What every multi-node job needs before torchrun's rendezvous: the operator gives each pod pod 0's name
+    under the job's headless Service (MASTER_ADDR); the kubelet points the pod's resolver at cluster DNS
+    (CoreDNS built from its module, answering from the API server), which resolves that name to pod 0's
+    address; and the pod network carries a connection from the other node to it. Pod 0 listens on
+    MASTER_PORT; the other pod, on the other real node, resolves and connects, and says where it runs."""
+    from localstack.stack import OperatorProcess, install_crd
+    from sharded_operator.api.models import GROUP, PLURAL, VERSION
+
+    api, cluster = node.cluster.api, node.cluster
+    install_crd(cluster.kubeconfig)
+    operator = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log").start()
+    jobs = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    rank, addr, port = f"${PodEnv.NODE_RANK}", f"${PodEnv.MASTER_ADDR}", f"${PodEnv.MASTER_PORT}"
+    script = (f'if [ "{rank}" = 0 ]; then echo "listening on {port}"; exec nc -l -p {port}; fi; '
+              f"nslookup {addr}.{CLUSTER_DOMAIN}; "
+              f'until echo "from ${PodEnv.NODE_NAME}" | nc -w 2 {addr} {port}; do sleep 0.5; done')  # fmt: skip
+    hostname = "kubernetes.io/hostname"
+    affinity = {
+        # Only the two real nodes, and never both pods on one: pod 1 keeps off pod 0's node.
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+            "matchExpressions": [{"key": hostname, "operator": "In", "values": [node.name, second_node.name]}]}]}},
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {LABEL_JOB: "dns", LABEL_INDEX: "0"}}, "topologyKey": hostname}]},
+    }  # fmt: skip
+    body = (make_job("dns", namespace).image(PROBE_IMAGE).nodes(2).procs(1)
+            .spec("command", ["/bin/sh", "-c", script]).spec("pod", {"imagePullPolicy": "Never"})
+            .spec("runPolicy", {"cleanPodPolicy": "None"})  # the finished pods' logs are read below
+            .spec("scheduling", {"tolerations": [{**TAINT, "operator": "Equal"}], "affinity": affinity})
+            .manifest())  # fmt: skip
+    try:
+        api("POST", jobs, body)
+        deadline = time.monotonic() + 120
+        while (status := api("GET", f"{jobs}/dns").get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            if time.monotonic() > deadline:
+                pods = api("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]
+                tails = {p["metadata"]["name"]: logs(node, namespace, p["metadata"]["name"]) for p in pods
+                         if p["status"].get("phase") in ("Running", "Succeeded", "Failed")}  # fmt: skip
+                raise AssertionError(f"not finished: {json.dumps(status)[:800]}\n{tails}\n"
+                                     f"{(cluster.workdir / 'logs' / 'coredns.log').read_text()[-1500:]}")  # fmt: skip
+            time.sleep(0.5)
+        pods = api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={LABEL_JOB}=dns,{LABEL_INDEX}")["items"]
+        placed = {p["metadata"]["labels"][LABEL_INDEX]: p["spec"]["nodeName"] for p in pods}
+        assert status["phase"] == "Succeeded", (status, placed)
+        assert sorted(placed.values()) == sorted([node.name, second_node.name]), placed
+        [pod0] = [p["metadata"]["name"] for p in pods if p["metadata"]["labels"][LABEL_INDEX] == "0"]
+        # Pod 0 heard from the pod on the other node, by pod 0's name under the headless Service.
+        assert f"from {placed['1']}" in logs(node, namespace, pod0)
+        queried = (cluster.workdir / "logs" / "coredns.log").read_text()
+        assert f"{pod0}.dns.{namespace}.svc.{CLUSTER_DOMAIN}." in queried, queried[-1500:]
+    finally:
+        api("DELETE", f"{jobs}/dns")
+        operator.stop()

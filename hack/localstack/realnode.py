@@ -10,7 +10,9 @@ authorizer limits it to its own pods), and logs, exec and port-forward reach the
 Each node has its own root directories, sockets, ports, CNI bridge and subnet (10.88.<index>.0/24), and an
 address of its own, 10.201.0.<index>, on a host-only bridge with no ports: the kubelet refuses a loopback node
 IP, and an address on a bridge nothing is attached to is reachable from this machine only, as loopback is.
-It is tainted (`sharded.dev/real-node`) so that only pods that ask for it land there.
+It is tainted (`sharded.dev/real-node`) so that only pods that ask for it land there. The nodes share cluster DNS
+(CoreDNS built from hack/coredns, on 10.201.0.254 of that bridge), which each kubelet gives its pods as their
+nameserver, and a flat pod network: this host routes between the nodes' CNI bridges.
 
 On this machine's cgroup v1 hierarchy the kubelet runs with `failCgroupV1: false`, without per-QoS cgroups or
 node allocatable enforcement (the machine's processes share the root cgroups), and containerd with

@@ -9,8 +9,9 @@ memory-backed tmpfs of the spec's size, the `restricted` contexts (uid, fsGroup,
 privileges), a projected token for the operator's audience, requested by the kubelet under the node's own
 identity, that the operator's verifier accepts as this pod's; SIGTERM on deletion and the exit code kept, then
 SIGKILL at the end of the grace period; `kubectl logs` through the API server to the kubelet's TLS server;
-the CLI's logs, exec and port-forward; Pod Security `restricted` admission; and the operator's own handling of
-an eviction, a suspend and a resume of pods the kubelet runs.
+the CLI's logs, exec and port-forward; Pod Security `restricted` admission; the operator's own handling of
+an eviction, a suspend and a resume of pods the kubelet runs; and, on two real nodes, cluster DNS and the pod
+network that a job's pods find and reach pod 0 through.
 """
 
 from __future__ import annotations

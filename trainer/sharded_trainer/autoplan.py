@@ -164,7 +164,7 @@ def table(job: Job, gpu_bytes: float, host_bytes: float | None = None) -> str:
         mark = "yes" if memplan.fits_gpu(e, gpu_bytes) else "no"
         mark = mark if memplan.fits_host(e, host_bytes) else "no (host)"
         if not memplan.allowed(job, e.setting):
-            mark = "not with bf16-pure" if job.pure_bf16 and not e.setting.selective else "not with NF4"
+            mark = "not with bf16-pure" if job.pure_bf16 else "not with NF4"
         mark += "  <- chosen" if e is chosen else ""
         lines.append(f"{e.setting.label:<50} {e.state / GIB:8.1f} {e.activations / GIB:8.1f} "
                      f"{e.transient / GIB:9.1f} {e.peak / GIB:9.1f} {e.host / GIB:9.1f}  {mark}")  # fmt: skip

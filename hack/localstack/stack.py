@@ -5,6 +5,7 @@ Used by `make demo` (hack/demo.py) and the e2e tests.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,25 +76,54 @@ class OperatorProcess:
                 self.kill()
 
 
-def install_crd(kubeconfig: Path, body: dict | None = None) -> None:
-    """Create a CRD (the generated ShardedTrainingJob one unless `body` is given) and wait until Established."""
+AGGREGATED_DISCOVERY = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
+
+
+def install_crd(kubeconfig: Path, body: dict | None = None, timeout: float = 30) -> None:
+    """Create a CRD (the generated ShardedTrainingJob one unless `body` is given) and wait until it is
+    Established and listed in the API's aggregated discovery. Established alone is not enough for a
+    controller started right after: the discovery document is rebuilt a moment later, and a controller whose
+    REST mapper reads it first exits with `no matches for kind` (Kueue did, once in a suite run)."""
     from kubernetes import client, config
     from kubernetes.client.rest import ApiException
 
-    ext = client.ApiextensionsV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    ext = client.ApiextensionsV1Api(api)
     body = body or yaml.safe_load(CRD_FILE.read_text())
     try:
         ext.create_custom_resource_definition(body)
     except ApiException as e:
         if e.status != 409:
             raise
-    deadline = time.monotonic() + 30
+    group, plural = body["spec"]["group"], body["spec"]["names"]["plural"]
+    versions = {v["name"] for v in body["spec"]["versions"] if v.get("served", True)}
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         conds = ext.read_custom_resource_definition(body["metadata"]["name"]).status.conditions or []
-        if any(c.type == "Established" and c.status == "True" for c in conds):
+        established = any(c.type == "Established" and c.status == "True" for c in conds)
+        if established and versions <= discovered_versions(api, group, plural):
             return
         time.sleep(0.2)
-    raise TimeoutError("CRD not Established")
+    raise TimeoutError(f"CRD {body['metadata']['name']} not Established and discovered after {timeout}s")
+
+
+def discovered_versions(api, group: str, plural: str) -> set[str]:
+    """The versions of `group` whose resources include `plural` in the aggregated discovery document (the one
+    client-go's REST mappers read)."""
+    # Served at /apis exactly (the generated ApisApi asks for /apis/, which answers only the legacy list).
+    method, url, headers, body, post = api.param_serialize(
+        "GET", "/apis", header_params={"Accept": AGGREGATED_DISCOVERY}, auth_settings=["BearerToken"]
+    )
+    resp = api.call_api(method, url, headers, body, post, _request_timeout=10)
+    resp.read()
+    doc = json.loads(resp.data)
+    return {
+        version["version"]
+        for item in doc.get("items", [])
+        if item["metadata"]["name"] == group
+        for version in item.get("versions", [])
+        if any(r.get("resource") == plural for r in version.get("resources", []))
+    }
 
 
 def wait_collectable(kubeconfig: Path, timeout: float = 90) -> None:

@@ -108,3 +108,37 @@ def test_kubectl_from_the_build_talks_to_the_cluster(cluster):
         text=True,
     ).stdout
     assert out.split() == [f"node/gpu-node-{i}" for i in range(4)]
+
+
+def test_a_crd_installed_is_in_discovery_before_install_crd_returns(cluster, api_client):
+    """A controller started right after `install_crd` maps its kinds through the aggregated discovery
+    document; one that read it before the CRD was listed exits with `no matches for kind`."""
+    from kubernetes import client
+
+    from localstack.stack import discovered_versions, install_crd
+
+    group, plural = "probe.sharded.dev", "discoveryprobes"
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group, "scope": "Namespaced",
+            "names": {"plural": plural, "singular": "discoveryprobe", "kind": "DiscoveryProbe"},
+            "versions": [{"name": name, "served": True, "storage": name == "v1", "schema": {
+                "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}
+                for name in ("v1", "v1beta1")],
+        },
+    }  # fmt: skip
+    try:
+        install_crd(cluster.kubeconfig, crd)
+        assert discovered_versions(api_client, group, plural) == {"v1", "v1beta1"}
+        # kubectl maps the resource by the same document, with no retry of its own.
+        out = subprocess.run(
+            [str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "get",
+             f"{plural}.v1beta1.{group}", "-A", "-o", "name"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    finally:
+        client.ApiextensionsV1Api(api_client).delete_custom_resource_definition(crd["metadata"]["name"])
+    assert discovered_versions(api_client, "kueue.x-k8s.io.invalid", "workloads") == set()

@@ -14,7 +14,8 @@ help:
 	@echo "make lock    - re-resolve requirements/ (the locked dependency set) after editing pyproject.toml"
 	@echo "make soak    - the chaos soak for several seeds: make soak SEEDS=\"1 2 3\" or SEED=1 (default: 5 random ones)"
 	@echo "make cluster-up / cluster-down - a local control plane with KWOK GPU nodes, for kubectl"
-	@echo "                 (REAL_NODES=2 adds nodes run by the real kubelet and containerd; needs root)"
+	@echo "                 (REAL_NODES=2 adds nodes run by the real kubelet and containerd; needs root;"
+	@echo "                 REAL_TRAINER=1 also puts the trainer image in them, so jobs train there)"
 
 $(VENV_STAMP): pyproject.toml requirements/lock.txt hack/setup-env.sh hack/lock.py
 	@bash hack/setup-env.sh
@@ -80,7 +81,7 @@ test-unit: setup
 	@$(PY) -m pytest -q tests/unit
 
 cluster-up: setup binaries
-	@PYTHONPATH=hack $(PY) -m localstack up --dir .cluster --real-nodes $(or $(REAL_NODES),0) >/dev/null
+	@PYTHONPATH=hack $(PY) -m localstack up --dir .cluster --real-nodes $(or $(REAL_NODES),0) $(if $(REAL_TRAINER),--trainer-image) >/dev/null
 
 cluster-down: setup
 	@PYTHONPATH=hack $(PY) -m localstack down --dir .cluster

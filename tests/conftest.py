@@ -27,8 +27,9 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # 1.1 with one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The per-tier time table printed at the end of every run, and the floor under the collected tests.
-pytest_plugins = ["support.suite_clock"]
+# The per-tier time table printed at the end of every run, and the floor under the collected tests; the realnode
+# tier's shared nodes.
+pytest_plugins = ["support.suite_clock", "support.realnodes"]
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The local control plane from the command line (`make cluster-up`, `make cluster-down`):
 
-PYTHONPATH=hack python -m localstack up [--dir .cluster] [--gpu-nodes 4] [--real-nodes 0]   # prints the kubeconfig path
+PYTHONPATH=hack python -m localstack up [--dir .cluster] [--gpu-nodes 4] [--real-nodes 0] [--trainer-image]
+    # prints the kubeconfig path
 PYTHONPATH=hack python -m localstack down [--dir .cluster]
 """
 
@@ -13,8 +14,9 @@ import time
 from pathlib import Path
 
 from localstack.cluster import ROOT, LocalCluster, binaries_dir
+from localstack.nodeimages import import_docker_images, probe_image
 from localstack.processes import stop_dir
-from localstack.realnode import RealNode, probe_image, stop_nodes
+from localstack.realnode import RealNode, stop_nodes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-nodes", type=int, default=0,
                         help="nodes run by the real kubelet and containerd (localstack/realnode.py; needs root), "
                              "tainted sharded.dev/real-node=true:NoSchedule")  # fmt: skip
+    parser.add_argument("--trainer-image", action="store_true",
+                        help="build the trainer image (hack/images.py) and put it in the real nodes' containerd, so "
+                             "jobs train there (minutes for a build the nodes have not had)")  # fmt: skip
     args = parser.parse_args(argv)
     workdir = args.dir.resolve()
     if args.command == "down":
@@ -39,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True)
     started = time.monotonic()
     cluster = LocalCluster(workdir=workdir, bin_dir=binaries_dir(), gpu_nodes=args.gpu_nodes).start()
-    for index in range(1, args.real_nodes + 1):
-        RealNode(cluster, index).start([probe_image()])
+    nodes = [RealNode(cluster, index).start([probe_image()]) for index in range(1, args.real_nodes + 1)]
+    if args.trainer_image and nodes:
+        import images  # hack/images.py
+
+        import_docker_images(nodes, [images.build_all()["trainer"]], log=lambda m: print(m, file=sys.stderr))
     print(
         f"cluster ready in {time.monotonic() - started:.0f}s (API {cluster.server}, logs in {workdir / 'logs'})\n"
         f"  export KUBECONFIG={cluster.kubeconfig}\n"

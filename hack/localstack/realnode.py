@@ -22,9 +22,9 @@ node allocatable enforcement (the machine's processes share the root cgroups), a
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import fcntl
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import yaml
 
-from localstack.cluster import ROOT, LocalCluster, free_port
+from localstack.cluster import LocalCluster, free_port
+from localstack.nodeimages import CACHE, PAUSE_IMAGE, pause_image
 from localstack.pki import issue
-from localstack.processes import stop_pid_file
+from localstack.processes import alive, stop_pid_file
 
-CACHE = Path(os.environ.get("SHARDED_CACHE_DIR") or Path.home() / ".cache" / "sharded-training")
 NODE_BRIDGE = "shardednode0"
 # Cluster DNS (CoreDNS, hack/coredns) on the host-only bridge, as the nodes' addresses are: the nameserver every
 # real node's kubelet writes into its pods' resolv.conf, answering the cluster domain from the API server.
@@ -45,7 +45,6 @@ DNS_IP = "10.201.0.254"
 CLUSTER_DOMAIN = "cluster.local"
 POD_NETWORK = "10.88.0.0/16"  # every real node's pod subnet, 10.88.<index>.0/24
 TAINT = {"key": "sharded.dev/real-node", "value": "true", "effect": "NoSchedule"}
-PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 # Debian's packages the node runs on; containerd and runc also come with docker.io.
 PACKAGES = {"containerd": "containerd", "runc": "runc", "/usr/lib/cni/bridge": "containernetworking-plugins"}
 
@@ -60,106 +59,6 @@ def ensure_packages() -> None:
     for what, package in PACKAGES.items():
         if not (Path(what).exists() if what.startswith("/") else shutil.which(what)):
             apt_install(package)
-
-
-def _oci_archive(out: Path, ref: str, entrypoint: list[str], files: dict[str, Path], links: dict[str, str]) -> None:
-    """An OCI image archive (what `ctr images import` reads) of one layer holding `files` (path in the image ->
-    file here) and symbolic `links`, running `entrypoint` as uid 65535; byte-for-byte the same for the same
-    inputs."""
-    import gzip
-    import io
-    import tarfile
-
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as tar:
-        for dest, src in sorted(files.items()):
-            info = tar.gettarinfo(str(src), arcname=dest.lstrip("/"))
-            info.uid = info.gid = info.mtime = 0
-            info.uname = info.gname = ""
-            with open(src, "rb") as f:
-                tar.addfile(info, f)
-        for dest, target in sorted(links.items()):
-            info = tarfile.TarInfo(dest.lstrip("/"))
-            info.type, info.linkname, info.mode = tarfile.SYMTYPE, target, 0o777
-            tar.addfile(info)
-    raw = layer.getvalue()
-    packed = gzip.compress(raw, mtime=0)
-
-    def digest(b: bytes) -> str:
-        return "sha256:" + hashlib.sha256(b).hexdigest()
-
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux", "config": {"Entrypoint": entrypoint, "User": "65535:65535"},
-        "rootfs": {"type": "layers", "diff_ids": [digest(raw)]},
-    }).encode()  # fmt: skip
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config),
-                   "size": len(config)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest(packed),
-                    "size": len(packed)}],
-    }).encode()  # fmt: skip
-    index = json.dumps({"schemaVersion": 2, "manifests": [{
-        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(manifest), "size": len(manifest),
-        "annotations": {"org.opencontainers.image.ref.name": ref, "io.containerd.image.name": ref},
-    }]}).encode()  # fmt: skip
-    tmp = out.with_suffix(".tmp")
-    with tarfile.open(tmp, "w") as tar:
-        for name, data in [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index),
-                           *((f"blobs/sha256/{digest(b)[7:]}", b) for b in (config, manifest, packed))]:  # fmt: skip
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    tmp.replace(out)
-
-
-def pause_image() -> Path:
-    """The sandbox image, built here (no registry): hack/pause.c compiled static, keyed by its source."""
-    source = ROOT / "hack" / "pause.c"
-    key = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    out = CACHE / "images" / f"pause-{key}.tar"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        binary = out.with_name(f"pause-{key}")
-        _run("gcc", "-O2", "-static", "-o", str(binary), str(source))
-        _oci_archive(out, PAUSE_IMAGE, ["/pause"], {"/pause": binary}, {})
-    return out
-
-
-PROBE_IMAGE = "sharded.local/probe:2"
-
-
-# The probe image's `python`: it stands in for the trainer image where the operator runs its own pods, which
-# start `python -m sharded_trainer.launch ... [-- COMMAND]` and `python -m sharded_trainer.store`. The first
-# runs the job's spec.command (a shell script of the test's), the second idles as a store nothing connects to.
-PYTHON_STAND_IN = """#!/bin/sh
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do shift; done
-if [ $# -gt 0 ]; then shift; exec "$@"; fi
-exec sleep 2147483647
-"""
-
-
-def probe_image() -> Path:
-    """A shell for tests of what the kubelet gives a container: Debian's static busybox (downloaded, not
-    installed), every applet linked under /bin, and PYTHON_STAND_IN as /usr/bin/python."""
-    key = hashlib.sha256(PYTHON_STAND_IN.encode()).hexdigest()[:12]
-    out = CACHE / "images" / f"probe-busybox-{key}.tar"
-    if out.exists():
-        return out
-    work = CACHE / "images" / "busybox"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    subprocess.run(["apt-get", "download", "busybox-static"], cwd=work, check=True, capture_output=True)
-    [deb] = work.glob("busybox-static_*.deb")
-    _run("dpkg-deb", "-x", str(deb), str(work / "root"))
-    busybox = work / "root" / "bin" / "busybox"
-    applets = _run(str(busybox), "--list").stdout.split()
-    links = {f"/bin/{a}": "busybox" for a in applets if a != "busybox"}
-    python = work / "python"
-    python.write_text(PYTHON_STAND_IN)
-    python.chmod(0o755)
-    _oci_archive(out, PROBE_IMAGE, ["/bin/sh"], {"/bin/busybox": busybox, "/usr/bin/python": python}, links)
-    return out
 
 
 def ensure_node_bridge() -> None:
@@ -230,8 +129,11 @@ class RealNode:
     def socket(self) -> Path:
         return self.root / "containerd.sock"
 
+    def ctr_argv(self) -> list[str]:
+        return ["ctr", "--address", str(self.socket), "--namespace", "k8s.io"]
+
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return _run("ctr", "--address", str(self.socket), "--namespace", "k8s.io", *args, check=check)
+        return _run(*self.ctr_argv(), *args, check=check)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -240,7 +142,7 @@ class RealNode:
         (self.cluster.workdir / "pids").mkdir(exist_ok=True)
         (self.cluster.workdir / "pids" / f"{self.name}-{name}").write_text(str(self.procs[name].pid))
 
-    def _write_configs(self) -> tuple[Path, Path, Path]:
+    def _write_configs(self, containerd_root: Path) -> tuple[Path, Path, Path]:
         r, pki = self.root, self.cluster.workdir / "pki"
         subnet = f"10.88.{self.index}.0/24"
         (r / "cni").mkdir(parents=True, exist_ok=True)
@@ -252,7 +154,7 @@ class RealNode:
             ]}))  # fmt: skip
         containerd = r / "containerd.toml"
         containerd.write_text(f"""version = 2
-root = "{r}/containerd/root"
+root = "{containerd_root}"
 state = "{r}/containerd/state"
 [grpc]
   address = "{self.socket}"
@@ -307,13 +209,21 @@ state = "{r}/containerd/state"
         ensure_cluster_dns(self.cluster)
         _run("ip", "addr", "replace", f"{self.ip}/32", "dev", NODE_BRIDGE)
         self.root.mkdir(parents=True, exist_ok=True)
-        containerd, kubeconfig, kubelet = self._write_configs()
-        self._spawn("containerd", ["containerd", "--config", str(containerd)])
         deadline = time.monotonic() + timeout
-        while self.ctr("version", check=False).returncode != 0:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"containerd of {self.name} did not answer; see {self.root / 'containerd.log'}")
-            time.sleep(0.2)
+        with _claim_lock(self.name):
+            containerd_root = kept_root(self.name)
+            if _owner(containerd_root) is not None:  # another run's node of this name has it: one of this run's
+                containerd_root = self.root / "containerd" / "root"
+            containerd, kubeconfig, kubelet = self._write_configs(containerd_root)
+            self._start_containerd(containerd, deadline)
+            # What a node stopped without its stop_node left: containers the kubelet would find and try to run
+            # again. Removed, and containerd restarted so that its CRI plugin forgets them too.
+            if leftovers := self.ctr("containers", "ls", "-q").stdout.split():
+                self.ctr("containers", "rm", *leftovers, check=False)
+                stop_pid_file(self.cluster.workdir / "pids" / f"{self.name}-containerd")
+                self._start_containerd(containerd, deadline)
+            if containerd_root == kept_root(self.name):
+                (containerd_root / "owner").write_text(str(self.procs["containerd"].pid))
         for image in [pause_image(), *images]:
             self.ctr("images", "import", str(image))
         self._spawn("kubelet", [str(self.cluster.bin_dir / "kubelet"), f"--config={kubelet}",
@@ -324,6 +234,13 @@ state = "{r}/containerd/state"
                 raise TimeoutError(f"{self.name} not Ready; kubelet log:\n{self.log_tail('kubelet')}")
             time.sleep(0.5)
         return self
+
+    def _start_containerd(self, config: Path, deadline: float) -> None:
+        self._spawn("containerd", ["containerd", "--config", str(config)])
+        while self.ctr("version", check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"containerd of {self.name} did not answer; see {self.root / 'containerd.log'}")
+            time.sleep(0.2)
 
     def _ready(self) -> bool:
         try:
@@ -356,13 +273,45 @@ def stop_node(workdir: Path, root: Path) -> None:
         time.sleep(0.5)
         for task in _run(*ctr, "ls", "-q", check=False).stdout.split():
             _run(*ctr, "rm", "-f", task, check=False)
-    stop_pid_file(workdir / "pids" / f"{name}-containerd")
+        # The containers' records too: a kept root (kept_root) must not hand them to the node's next start.
+        if containers := _run(*ctr[:-1], "containers", "ls", "-q", check=False).stdout.split():
+            _run(*ctr[:-1], "containers", "rm", *containers, check=False)
+    pid_file, kept = workdir / "pids" / f"{name}-containerd", kept_root(name)
+    ours = pid_file.exists() and _owner(kept) == int(pid_file.read_text())
+    stop_pid_file(pid_file)
+    if ours:  # released; a dead owner's root is free anyway, this keeps the file from naming a reused pid
+        with _claim_lock(name):
+            (kept / "owner").unlink(missing_ok=True)
     mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
-    for mount in sorted((m for m in mounts if m.startswith(f"{root}/")), key=len, reverse=True):
+    for mount in sorted((m for m in mounts if m.startswith((f"{root}/", f"{kept}/"))), key=len, reverse=True):
         _run("umount", "-l", mount, check=False)
     _run("ip", "link", "delete", f"cni-{name}", check=False)
     index = name.rsplit("-", 1)[-1]
     _run("ip", "addr", "del", f"10.201.0.{index}/32", "dev", NODE_BRIDGE, check=False)
+
+
+def kept_root(name: str) -> Path:
+    """The containerd root of the node `name` that outlives the run: its images (the trainer's is 6 GB, minutes to
+    import) stay unpacked for the next run's node of the same name (nodeimages.py)."""
+    return CACHE / "realnode" / name / "containerd"
+
+
+@contextlib.contextmanager
+def _claim_lock(name: str):
+    """Serializes claiming and releasing a kept root between launchers (two suite runs may start a real-1)."""
+    kept_root(name).mkdir(parents=True, exist_ok=True)
+    with open(kept_root(name).parent / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _owner(kept: Path) -> int | None:
+    """The pid of the live containerd that uses the kept root `kept`, if one does."""
+    try:
+        pid = int((kept / "owner").read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if alive(pid) else None
 
 
 def stop_nodes(workdir: Path) -> None:

@@ -25,13 +25,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
 
-from localstack import cluster as localcluster
-from localstack.realnode import CLUSTER_DOMAIN, PROBE_IMAGE, TAINT, RealNode, probe_image, stop_node
+from localstack.nodeimages import PROBE_IMAGE, probe_image
+from localstack.realnode import CLUSTER_DOMAIN, TAINT, RealNode, kept_root, stop_node
 from sharded_api.contract import PodEnv
 from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB
 from sharded_operator.decide.views import PodView
@@ -39,49 +38,21 @@ from sharded_operator.render import children, podspec
 from sharded_operator.run.issuer import IssuerKeys
 from sharded_operator.settings import OperatorSettings
 from support.jobs import make_job
+from support.realnodes import logs, restricted_namespace
 from support.reports import post
 
 pytestmark = pytest.mark.realnode
 SETTINGS = OperatorSettings(progress_url="http://op:8080/progress")
 TOKEN = "/var/run/secrets/training.sharded.dev/progress/token"
 HOLD = "sharded.dev/test-hold"  # keeps a deleted pod readable once the kubelet has stopped it
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
-              "pod-security.kubernetes.io/enforce-version": "latest"}  # fmt: skip
 # The stubborn pod's grace period: long enough that a SIGTERM handled at once, on a loaded machine, ends first.
 GRACE = 8
 
 
-@pytest.fixture(scope="module")
-def node():
-    with localcluster.running_cluster(gpu_nodes=0) as cluster:
-        real = RealNode(cluster, 1)
-        try:
-            yield real.start([probe_image()])
-        finally:
-            real.stop()
-
-
-@pytest.fixture(scope="module")
-def second_node(node):
-    """Another real node of the same cluster: its own kubelet, containerd and pod subnet."""
-    real = RealNode(node.cluster, 2)
-    try:
-        yield real.start([probe_image()])
-    finally:
-        real.stop()
-
-
 @pytest.fixture
 def namespace(node):
-    """A namespace enforcing Pod Security `restricted`, as a multi-tenant cluster's are: the API server's
-    admission refuses any pod of the operator's that asks for more."""
-    name = f"rn-{uuid.uuid4().hex[:6]}"
-    node.cluster.api("POST", "/api/v1/namespaces", {"metadata": {"name": name, "labels": RESTRICTED}})
-    deadline = time.monotonic() + 30
-    while not node.cluster.api("GET", f"/api/v1/namespaces/{name}/serviceaccounts")["items"]:
-        assert time.monotonic() < deadline, "the default ServiceAccount was not made"
-        time.sleep(0.2)
-    return name
+    """A namespace enforcing Pod Security `restricted` (tests/conftest.py's is for the KWOK tiers)."""
+    return restricted_namespace(node)
 
 
 def run_probe(node: RealNode, job, index: int, script: str, *, hold: bool = False, grace: int | None = None) -> dict:
@@ -124,15 +95,6 @@ def wait_pod(node: RealNode, ns: str, name: str, until, timeout: float = 60) -> 
 
 def phase_is(*phases: str):
     return lambda pod: pod["status"].get("phase") in phases
-
-
-def logs(node: RealNode, ns: str, name: str) -> str:
-    """The container's log as `kubectl logs` reads it: through the API server, from the kubelet's TLS server."""
-    cluster = node.cluster
-    out = subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "-n", ns,
-                          "logs", name], capture_output=True, text=True, timeout=30)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 def test_a_training_pod_gets_its_shm_its_restricted_users_and_a_progress_token_bound_to_it(node, namespace):
@@ -210,7 +172,7 @@ def test_a_deleted_pod_gets_sigterm_and_keeps_its_exit_code_then_sigkill_at_the_
 def test_a_node_its_launcher_lost_is_stopped_by_its_pid_files_and_leaves_nothing_mounted_or_running(node, namespace):
     """`make cluster-down`, or the next `up`, after a launcher died with a pod running: the node is found by
     its pid files, its containers killed through containerd, and every mount under its root undone."""
-    lost = RealNode(node.cluster, 2).start([probe_image()])
+    lost = RealNode(node.cluster, 3).start([probe_image()])
     job = make_job("lost", namespace).model()
     created = run_probe(lost, job, 0, "sleep 600")
     wait_pod(node, namespace, created["metadata"]["name"], phase_is("Running"))
@@ -234,6 +196,29 @@ def test_a_node_its_launcher_lost_is_stopped_by_its_pid_files_and_leaves_nothing
     assert not list((node.cluster.workdir / "pids").glob(f"{lost.name}-*"))
     # Its Node object would look Ready to the scheduler until the node controller's grace runs out.
     node.cluster.api("DELETE", f"/api/v1/nodes/{lost.name}")
+
+
+def test_a_node_started_again_on_its_kept_root_drops_the_containers_an_unclean_stop_left(node):
+    """A node's containerd root outlives the run (its images are kept), so whatever a node stopped without
+    stop_node left in it (a machine reset, a launcher SIGKILLed with its children) is there at the next start:
+    container records the kubelet would see through the CRI. The next start removes them before the kubelet
+    runs, and takes the kept root over from the dead owner."""
+    first = RealNode(node.cluster, 4).start([probe_image()])
+    kept = kept_root(first.name)
+    assert int((kept / "owner").read_text()) == first.procs["containerd"].pid
+    first.ctr("containers", "create", PROBE_IMAGE, "left-by-a-crash")
+    # Stopped as a crash stops it: no stop_node, nothing removed, the owner file left naming a dead pid.
+    for proc in first.procs.values():
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    again = RealNode(node.cluster, 4).start([probe_image()])
+    try:
+        assert again.ctr("containers", "ls", "-q").stdout.split() == []
+        assert int((kept / "owner").read_text()) == again.procs["containerd"].pid
+    finally:
+        again.stop()
+        node.cluster.api("DELETE", f"/api/v1/nodes/{again.name}")
+    assert not (kept / "owner").exists()
 
 
 def test_the_cli_reads_logs_execs_and_forwards_a_port_through_the_real_kubelet_in_a_restricted_namespace(

@@ -1,0 +1,181 @@
+"""Training on two nodes run by the real kubelet: the trainer image built from trainer/Dockerfile in each node's
+containerd, FSDP2 and ZeRO-2 jobs through the operator in a namespace enforcing `restricted`. What is proven
+here and not in the e2e tier: torchrun's rendezvous across two kubelets' pods by pod 0's name through cluster
+DNS; checkpoints on a `local` PersistentVolume the kubelet mounts and gives the job's fsGroup; progress posted
+to the operator from inside the pods with the token the kubelet requested for them; and a container SIGKILLed
+on its node, the gang restarted and resumed from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from localstack.nodeimages import import_docker_images
+from localstack.realnode import NODE_BRIDGE, TAINT, RealNode
+from sharded_api.contract import PodEnv
+from sharded_operator.api.models import GROUP, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
+from sharded_trainer.checkpoint.manager import committed_steps
+from support.jobs import local_cpu_job
+from support.realnodes import logs, restricted_namespace
+
+pytestmark = pytest.mark.realnode
+# The operator's address for the pods: on the nodes' host-only bridge, which pods reach through their node (as
+# cluster DNS is reached); loopback is the pods' own.
+OPERATOR_IP = "10.201.0.253"
+UID = 1000  # the operator's default runAsUser and fsGroup, the image's user
+HOSTNAME = "kubernetes.io/hostname"
+
+
+@pytest.fixture
+def namespace(node):
+    """A namespace enforcing Pod Security `restricted` (tests/conftest.py's is for the KWOK tiers)."""
+    return restricted_namespace(node)
+
+
+@pytest.fixture(scope="module")
+def nodes(node, second_node, images) -> tuple[RealNode, RealNode]:
+    """Both real nodes with the trainer image in their containerd (imported once per build: kept between runs)."""
+    import_docker_images([node, second_node], [images["trainer"]])
+    return node, second_node
+
+
+@pytest.fixture(scope="module")
+def operator(nodes, tmp_path_factory):
+    import subprocess
+
+    from localstack.stack import OperatorProcess, install_crd
+
+    cluster = nodes[0].cluster
+    subprocess.run(["ip", "addr", "replace", f"{OPERATOR_IP}/32", "dev", NODE_BRIDGE], check=True)
+    install_crd(cluster.kubeconfig)
+    op = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log", host=OPERATOR_IP,
+                         RESTART_GRACE_SECONDS="10").start()  # fmt: skip
+    yield op
+    op.stop()
+    subprocess.run(["ip", "addr", "del", f"{OPERATOR_IP}/32", "dev", NODE_BRIDGE], check=False)
+
+
+def local_volume(nodes: tuple[RealNode, ...], namespace: str, claim: str) -> Path:
+    """A `local` PersistentVolume for the job's checkpoint claim, reachable from both nodes (one host's
+    directory); the kubelet's local-volume plugin applies the pod's fsGroup to it, as it does on a cluster."""
+    cluster = nodes[0].cluster
+    path = cluster.workdir / "volumes" / f"{namespace}-{claim}"
+    path.mkdir(parents=True)
+    cluster.api("POST", "/api/v1/persistentvolumes", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{namespace}-{claim}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+            "persistentVolumeReclaimPolicy": "Retain", "claimRef": {"namespace": namespace, "name": claim},
+            "local": {"path": str(path)},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": HOSTNAME, "operator": "In", "values": [n.name for n in nodes]}]}]}},
+        },
+    })  # fmt: skip
+    return path
+
+
+def real_job(name: str, strategy: str, steps: int, nodes: tuple[RealNode, ...], image: str) -> dict:
+    """The local CPU job (2 nodes, gloo) with one process per node, placed one pod on each real node."""
+    affinity = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+            "matchExpressions": [{"key": HOSTNAME, "operator": "In", "values": [n.name for n in nodes]}]}]}},
+        # Only the training pods repel each other (the rendezvous store's pod goes where it fits).
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {LABEL_JOB: name},
+                              "matchExpressions": [{"key": LABEL_INDEX, "operator": "Exists"}]},
+            "topologyKey": HOSTNAME}]},
+    }  # fmt: skip
+    return (local_cpu_job(name, strategy, steps).image(image).procs(1)
+            .spec("pod", {"imagePullPolicy": "Never"})
+            .spec("runPolicy", {"cleanPodPolicy": "None"})  # the pods' logs are read after the end
+            .spec("scheduling", {"tolerations": [{**TAINT, "operator": "Equal"}], "affinity": affinity})
+            .manifest())  # fmt: skip
+
+
+class RealJob:
+    def __init__(self, node: RealNode, namespace: str, name: str, operator):
+        self.node, self.ns, self.name, self.operator = node, namespace, name, operator
+        self.path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+
+    def status(self) -> dict:
+        return self.node.cluster.api("GET", self.path).get("status") or {}
+
+    def pods(self, selector: str = "") -> list[dict]:
+        query = f"labelSelector={LABEL_JOB}={self.name}{selector}"
+        return self.node.cluster.api("GET", f"/api/v1/namespaces/{self.ns}/pods?{query}")["items"]
+
+    def wait(self, pred, what: str, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while not pred(s := self.status()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: {what}: {json.dumps(s)[:1000]}\n{self.explain()}")
+            time.sleep(0.5)
+        return s
+
+    def explain(self) -> str:
+        tails = []
+        for p in self.pods():
+            if p["status"].get("phase") in ("Running", "Succeeded", "Failed"):
+                tails.append(f"--- {p['metadata']['name']} on {p['spec'].get('nodeName')}\n"
+                             f"{logs(self.node, self.ns, p['metadata']['name'])[-2000:]}")  # fmt: skip
+            else:
+                tails.append(f"--- {p['metadata']['name']}: {json.dumps(p['status'])[:600]}")
+        return "\n".join([*tails, f"--- operator\n{self.operator.log.read_text()[-2000:]}"])
+
+
+def container_init(job: str, rank: int, attempt: int) -> int:
+    """The host pid of the container process (its PID 1) of `job`'s node `rank` in `attempt`."""
+    want = {f"{PodEnv.JOB_NAME}={job}", f"{PodEnv.NODE_RANK}={rank}", f"{PodEnv.ATTEMPT}={attempt}"}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            env = set((proc / "environ").read_bytes().decode(errors="replace").split("\0"))
+            nspid = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        if want <= env and nspid.split()[-1] == "1":
+            return int(proc.name)
+    raise AssertionError(f"no container process of {job} rank {rank} attempt {attempt}")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_a_job_trains_across_two_real_nodes_with_checkpoints_on_a_local_volume_under_its_fsgroup(
+    nodes, operator, namespace, images, strategy
+):
+    """Each strategy's job on both real nodes to Succeeded: every pod on its own node, the trainer's progress
+    reports (with the kubelet's token) in status, the checkpoints committed on the volume, written by the
+    image's user and group-owned by the fsGroup the kubelet gave the volume. The ZeRO-2 job also loses a
+    container to SIGKILL on its node after its first checkpoint: the kubelet reports exit 137, the operator
+    restarts the gang, and the new attempt resumes from the newest checkpoint."""
+    name, steps = f"real-{strategy}", 30 if strategy == "fsdp" else 100
+    volume = local_volume(nodes, namespace, f"{name}-checkpoints")
+    job = RealJob(nodes[0], namespace, name, operator)
+    nodes[0].cluster.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
+                         real_job(name, strategy, steps, nodes, images["trainer"]))  # fmt: skip
+    if strategy == "zero2":
+        job.wait(lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, "a first checkpoint")
+        os.kill(container_init(name, 1, 1), signal.SIGKILL)
+    status = job.wait(lambda s: s.get("phase") in ("Succeeded", "Failed"), "finished")
+    assert status["phase"] == "Succeeded", job.explain()
+    attempt = status["attempt"]
+    placed = {p["metadata"]["labels"][LABEL_INDEX]: p["spec"]["nodeName"]
+              for p in job.pods(f",{LABEL_ATTEMPT}={attempt}")}  # fmt: skip
+    assert sorted(placed.values()) == sorted(n.name for n in nodes), placed
+    assert status["progress"]["step"] == steps, status  # reported from the pods, with the kubelet's token
+    assert committed_steps(volume / name)[-1] == steps
+    files = [p for p in (volume / name).rglob("*") if p.is_file()]
+    assert files and {(p.stat().st_uid, p.stat().st_gid) for p in files} == {(UID, UID)}
+    assert volume.stat().st_gid == UID and volume.stat().st_mode & 0o2070 == 0o2070  # the kubelet's fsGroup
+    if strategy == "zero2":
+        assert (status["restarts"], status["lastFailure"]["exitCode"]) == (1, 137), status
+        [pod0] = [p["metadata"]["name"] for p in job.pods(f",{LABEL_ATTEMPT}={attempt},{LABEL_INDEX}=0")]
+        resumed = [json.loads(line[8:]) for line in logs(nodes[0], namespace, pod0).splitlines()
+                   if line.startswith("METRICS ") and '"event": "resumed"' in line]  # fmt: skip
+        assert resumed and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0, resumed
+    else:
+        assert status.get("restarts", 0) == 0, status

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -47,8 +48,6 @@ def nodes(node, second_node, images) -> tuple[RealNode, RealNode]:
 
 @pytest.fixture(scope="module")
 def operator(nodes, tmp_path_factory):
-    import subprocess
-
     from localstack.stack import OperatorProcess, install_crd
 
     cluster = nodes[0].cluster
@@ -106,6 +105,9 @@ class RealJob:
     def status(self) -> dict:
         return self.node.cluster.api("GET", self.path).get("status") or {}
 
+    def patch(self, spec: dict) -> None:
+        self.node.cluster.api("PATCH", self.path, {"spec": spec}, "application/merge-patch+json")
+
     def pods(self, selector: str = "") -> list[dict]:
         query = f"labelSelector={LABEL_JOB}={self.name}{selector}"
         return self.node.cluster.api("GET", f"/api/v1/namespaces/{self.ns}/pods?{query}")["items"]
@@ -143,23 +145,53 @@ def container_init(job: str, rank: int, attempt: int) -> int:
     raise AssertionError(f"no container process of {job} rank {rank} attempt {attempt}")
 
 
+def follow(node: RealNode, ns: str, pod: str) -> tuple[subprocess.Popen, Path]:
+    """`kubectl logs -f` of a pod into a file, as a user watches a job: what it printed up to its end, even
+    once the pod is deleted."""
+    out = node.root.parent.parent / f"{ns}-{pod}.log"
+    cluster = node.cluster
+    proc = subprocess.Popen([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(cluster.kubeconfig), "-n", ns,
+                             "logs", "-f", pod], stdout=out.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    return proc, out
+
+
+def events(text: str, event: str) -> list[dict]:
+    return [json.loads(line[8:]) for line in text.splitlines()
+            if line.startswith("METRICS ") and f'"event": "{event}"' in line]  # fmt: skip
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
 def test_a_job_trains_across_two_real_nodes_with_checkpoints_on_a_local_volume_under_its_fsgroup(
     nodes, operator, namespace, images, strategy
 ):
     """Each strategy's job on both real nodes to Succeeded: every pod on its own node, the trainer's progress
     reports (with the kubelet's token) in status, the checkpoints committed on the volume, written by the
-    image's user and group-owned by the fsGroup the kubelet gave the volume. The ZeRO-2 job also loses a
-    container to SIGKILL on its node after its first checkpoint: the kubelet reports exit 137, the operator
-    restarts the gang, and the new attempt resumes from the newest checkpoint."""
-    name, steps = f"real-{strategy}", 30 if strategy == "fsdp" else 100
+    image's user and group-owned by the fsGroup the kubelet gave the volume. On the way, the FSDP2 job is
+    suspended: the kubelet's SIGTERM has the trainer write a checkpoint at the step it stopped at, within the
+    grace period, and the resume continues from that step. The ZeRO-2 job loses a container to SIGKILL on its
+    node after its first checkpoint: the kubelet reports exit 137, the operator restarts the gang, and the new
+    attempt resumes from the newest checkpoint."""
+    name, steps = f"real-{strategy}", 120 if strategy == "fsdp" else 100
     volume = local_volume(nodes, namespace, f"{name}-checkpoints")
     job = RealJob(nodes[0], namespace, name, operator)
     nodes[0].cluster.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
                          real_job(name, strategy, steps, nodes, images["trainer"]))  # fmt: skip
+    job.wait(lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, "a first checkpoint")
     if strategy == "zero2":
-        job.wait(lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, "a first checkpoint")
         os.kill(container_init(name, 1, 1), signal.SIGKILL)
+    else:
+        [pod0] = [p["metadata"]["name"] for p in job.pods(f",{LABEL_INDEX}=0")]
+        watcher, printed = follow(nodes[0], namespace, pod0)
+        job.patch({"runPolicy": {"suspend": True}})
+        job.wait(lambda s: s.get("phase") == "Suspended" and not job.pods(f",{LABEL_INDEX}"), "Suspended, pods gone")
+        watcher.wait(timeout=60)  # the stream ends with the container
+        preempted = events(printed.read_text(), "preempted")
+        assert preempted, printed.read_text()[-3000:]
+        stopped = preempted[0]
+        assert committed_steps(volume / name)[-1] == stopped["step"], stopped  # written before the SIGKILL
+        steps = stopped["step"] + 10  # a shorter run, edited while suspended: the resumed leg is 10 steps
+        job.patch({"trainer": {"steps": steps}})
+        job.patch({"runPolicy": {"suspend": False}})
     status = job.wait(lambda s: s.get("phase") in ("Succeeded", "Failed"), "finished")
     assert status["phase"] == "Succeeded", job.explain()
     attempt = status["attempt"]
@@ -171,11 +203,11 @@ def test_a_job_trains_across_two_real_nodes_with_checkpoints_on_a_local_volume_u
     files = [p for p in (volume / name).rglob("*") if p.is_file()]
     assert files and {(p.stat().st_uid, p.stat().st_gid) for p in files} == {(UID, UID)}
     assert volume.stat().st_gid == UID and volume.stat().st_mode & 0o2070 == 0o2070  # the kubelet's fsGroup
+    [pod0] = [p["metadata"]["name"] for p in job.pods(f",{LABEL_ATTEMPT}={attempt},{LABEL_INDEX}=0")]
+    resumed = events(logs(nodes[0], namespace, pod0), "resumed")
     if strategy == "zero2":
         assert (status["restarts"], status["lastFailure"]["exitCode"]) == (1, 137), status
-        [pod0] = [p["metadata"]["name"] for p in job.pods(f",{LABEL_ATTEMPT}={attempt},{LABEL_INDEX}=0")]
-        resumed = [json.loads(line[8:]) for line in logs(nodes[0], namespace, pod0).splitlines()
-                   if line.startswith("METRICS ") and '"event": "resumed"' in line]  # fmt: skip
         assert resumed and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0, resumed
     else:
-        assert status.get("restarts", 0) == 0, status
+        assert (status.get("restarts", 0), status["attempt"]) == (0, 2), status
+        assert [r["step"] for r in resumed] == [stopped["step"]], resumed

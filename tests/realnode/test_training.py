@@ -160,26 +160,32 @@ def events(text: str, event: str) -> list[dict]:
             if line.startswith("METRICS ") and f'"event": "{event}"' in line]  # fmt: skip
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+# (strategy, what happens on the way): suspended and resumed; a container SIGKILLed, the gang restarted; the
+# same with in-place restarts on, the pod replaced alone while the other node's workers restart in place.
+CASES = [("fsdp", "suspend"), ("zero2", "kill"), ("fsdp", "kill-in-place")]
+
+
+@pytest.mark.parametrize(("strategy", "fault"), CASES, ids=[f"{s}-{f}" for s, f in CASES])
 def test_a_job_trains_across_two_real_nodes_with_checkpoints_on_a_local_volume_under_its_fsgroup(
-    nodes, operator, namespace, images, strategy
+    nodes, operator, namespace, images, strategy, fault
 ):
-    """Each strategy's job on both real nodes to Succeeded: every pod on its own node, the trainer's progress
-    reports (with the kubelet's token) in status, the checkpoints committed on the volume, written by the
-    image's user and group-owned by the fsGroup the kubelet gave the volume. On the way, the FSDP2 job is
-    suspended: the kubelet's SIGTERM has the trainer write a checkpoint at the step it stopped at, within the
-    grace period, and the resume continues from that step. The ZeRO-2 job loses a container to SIGKILL on its
-    node after its first checkpoint: the kubelet reports exit 137, the operator restarts the gang, and the new
-    attempt resumes from the newest checkpoint."""
-    name, steps = f"real-{strategy}", 120 if strategy == "fsdp" else 100
+    """A job on both real nodes to Succeeded: every pod on its own node, the trainer's progress reports (with
+    the kubelet's token) in status, the checkpoints committed on the volume, written by the image's user and
+    group-owned by the fsGroup the kubelet gave the volume. On the way, after the first checkpoint: a suspend,
+    where the kubelet's SIGTERM has the trainer write a checkpoint at the step it stopped at, within the grace
+    period, and the resume continues from that step; or node 1's container SIGKILLed on its node, exit 137 as
+    the kubelet reports it, and the gang restarted from the newest checkpoint, or, with in-place restarts on,
+    that pod alone replaced while pod 0 (not recreated) restarts its workers in place."""
+    name, steps = f"real-{strategy}-{fault}", 120 if fault == "suspend" else 100
     volume = local_volume(nodes, namespace, f"{name}-checkpoints")
     job = RealJob(nodes[0], namespace, name, operator)
-    nodes[0].cluster.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
-                         real_job(name, strategy, steps, nodes, images["trainer"]))  # fmt: skip
+    body = real_job(name, strategy, steps, nodes, images["trainer"])
+    if fault == "kill-in-place":
+        body["spec"]["failurePolicy"]["inPlaceRestarts"] = 2
+    nodes[0].cluster.api("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}", body)
     job.wait(lambda s: (s.get("lastCheckpoint") or {}).get("step", 0) >= 10, "a first checkpoint")
-    if strategy == "zero2":
-        os.kill(container_init(name, 1, 1), signal.SIGKILL)
-    else:
+    first_pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in job.pods(f",{LABEL_INDEX}")}
+    if fault == "suspend":
         [pod0] = [p["metadata"]["name"] for p in job.pods(f",{LABEL_INDEX}=0")]
         watcher, printed = follow(nodes[0], namespace, pod0)
         job.patch({"runPolicy": {"suspend": True}})
@@ -192,22 +198,31 @@ def test_a_job_trains_across_two_real_nodes_with_checkpoints_on_a_local_volume_u
         steps = stopped["step"] + 10  # a shorter run, edited while suspended: the resumed leg is 10 steps
         job.patch({"trainer": {"steps": steps}})
         job.patch({"runPolicy": {"suspend": False}})
+    else:
+        os.kill(container_init(name, 1, 1), signal.SIGKILL)
     status = job.wait(lambda s: s.get("phase") in ("Succeeded", "Failed"), "finished")
     assert status["phase"] == "Succeeded", job.explain()
     attempt = status["attempt"]
-    placed = {p["metadata"]["labels"][LABEL_INDEX]: p["spec"]["nodeName"]
-              for p in job.pods(f",{LABEL_ATTEMPT}={attempt}")}  # fmt: skip
+    pods = job.pods(f",{LABEL_ATTEMPT}={attempt}")
+    placed = {p["metadata"]["labels"][LABEL_INDEX]: p["spec"]["nodeName"] for p in pods}
     assert sorted(placed.values()) == sorted(n.name for n in nodes), placed
     assert status["progress"]["step"] == steps, status  # reported from the pods, with the kubelet's token
     assert committed_steps(volume / name)[-1] == steps
     files = [p for p in (volume / name).rglob("*") if p.is_file()]
     assert files and {(p.stat().st_uid, p.stat().st_gid) for p in files} == {(UID, UID)}
     assert volume.stat().st_gid == UID and volume.stat().st_mode & 0o2070 == 0o2070  # the kubelet's fsGroup
-    [pod0] = [p["metadata"]["name"] for p in job.pods(f",{LABEL_ATTEMPT}={attempt},{LABEL_INDEX}=0")]
+    [pod0] = [p["metadata"]["name"] for p in pods if p["metadata"]["labels"][LABEL_INDEX] == "0"]
     resumed = events(logs(nodes[0], namespace, pod0), "resumed")
-    if strategy == "zero2":
-        assert (status["restarts"], status["lastFailure"]["exitCode"]) == (1, 137), status
-        assert resumed and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0, resumed
-    else:
-        assert (status.get("restarts", 0), status["attempt"]) == (0, 2), status
+    if fault == "suspend":
+        assert (status.get("restarts", 0), attempt) == (0, 2), status
         assert [r["step"] for r in resumed] == [stopped["step"]], resumed
+        return
+    assert resumed and resumed[0]["step"] >= 10 and resumed[0]["step"] % 10 == 0, resumed
+    if fault == "kill":
+        assert (status["restarts"], attempt, status["lastFailure"]["exitCode"]) == (1, 2, 137), status
+    else:  # the same attempt: pod 0 kept (its UID), pod 1 a new pod of the same name
+        assert (status.get("restarts", 0), attempt, status["podReplacements"]) == (0, 1, 1), status
+        assert status["recovery"]["last"]["exitCode"] == 137, status
+        now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
+        assert now.keys() == first_pods.keys() and now[pod0] == first_pods[pod0], (first_pods, now)
+        assert [uid for n, uid in now.items() if n != pod0] != [uid for n, uid in first_pods.items() if n != pod0]

@@ -1,6 +1,7 @@
-"""What the realnode tier's modules share (a pytest plugin of tests/conftest.py): one control plane with two
-nodes run by the real kubelet (each node's start costs seconds; its images are kept between runs, see
-localstack/nodeimages.py), a restricted namespace, and a pod's log as `kubectl logs` reads it."""
+"""What the realnode tier's modules share (a pytest plugin of tests/conftest.py): a control plane per module
+with two nodes run by the real kubelet (a node starts in seconds, its images kept between runs by
+localstack/nodeimages.py; per module, so that idle kubelets do not run on beside the rest of the lane), a
+restricted namespace, and a pod's log as `kubectl logs` reads it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def restricted_namespace(node: RealNode) -> str:
     return name
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def node():
     with localcluster.running_cluster(gpu_nodes=0) as cluster:
         real = RealNode(cluster, 1)
@@ -49,7 +50,7 @@ def node():
             real.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def second_node(node):
     """Another real node of the same cluster: its own kubelet, containerd and pod subnet."""
     real = RealNode(node.cluster, 2)

@@ -3,6 +3,8 @@ gradients do not change."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -12,19 +14,29 @@ from tinyhf import write_model
 
 
 class _MatmulCounter(TorchDispatchMode):
-    """Counts the matrix products dispatched while it is on."""
+    """Counts the matrix products, and attention's forward kernels, dispatched while it is on."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.attention = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
             self.count += 1
+        name = func.name()
+        if "scaled_dot_product" in name and "backward" not in name:
+            self.attention += 1
         return func(*args, **(kwargs or {}))
 
 
-def _run(directory, checkpointing: str | None, lora: dict | None = None) -> tuple[int, int, dict[str, torch.Tensor]]:
+class Run(NamedTuple):
+    forward: int  # matrix products dispatched in forward
+    backward: int  # ... and in backward
+    grads: dict[str, torch.Tensor]
+    attention_again: int  # attention forward kernels dispatched in backward (recomputed)
+
+
+def _run(directory, checkpointing: str | None, lora: dict | None = None) -> Run:
     """Matrix products in forward and in backward, and the gradients, of one step with `checkpointing`."""
     from sharded_trainer.modeling.build import build_network
     from sharded_trainer.strategies.parallel import decoder_layers, materialize, wrap_blocks
@@ -44,7 +56,7 @@ def _run(directory, checkpointing: str | None, lora: dict | None = None) -> tupl
     grads = {name: p.grad.clone() for name, p in net.module.named_parameters() if p.grad is not None}
     # The wrapper's prefix is not part of the parameter's name (state dicts strip it too).
     grads = {name.replace("_checkpoint_wrapped_module.", ""): g for name, g in grads.items()}
-    return forward.count, backward.count, grads
+    return Run(forward.count, backward.count, grads, backward.attention)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +73,10 @@ def test_under_lora_selective_checkpointing_redoes_only_the_adapters_narrow_prod
     """An adapter's B widens rank r to the layer's width: redoing it costs next to nothing, keeping its output as
     much memory as the base layer's, so it alone is recomputed (rank 4 on a block 64 wide)."""
     lora = {"r": 4, "alpha": 8}
-    forward, plain_backward, plain = _run(directory, None, lora)
+    forward, plain_backward, plain, _ = _run(directory, None, lora)
     layers, linears = 2, 7
     assert forward == layers * linears * 3 + 1  # base, A and B of each linear; the head
-    _, backward, grads = _run(directory, "selective", lora)
+    _, backward, grads, _ = _run(directory, "selective", lora)
     # Recomputation stops once backward has what it needs: the down projection's B output feeds only the next
     # block, so it is not redone.
     assert backward == plain_backward + layers * (linears - 1)
@@ -74,11 +86,10 @@ def test_under_lora_selective_checkpointing_redoes_only_the_adapters_narrow_prod
 
 
 def test_full_checkpointing_runs_every_block_product_again_and_selective_none(runs):
-    forward, plain_backward, _ = runs[None]
+    forward, plain_backward, _, _ = runs[None]
     layers = 2  # tinyhf's Llama: each block has 7 products (q, k, v, o, gate, up, down), the head 1
     assert forward == 7 * layers + 1
-    _, full_backward, _ = runs["full"]
-    _, selective_backward, _ = runs["selective"]
+    full_backward, selective_backward = runs["full"].backward, runs["selective"].backward
     # Full recomputation stops once it has what backward needs: every product but the block's last (down's
     # output feeds only the next block, whose input the checkpoint keeps).
     assert full_backward == plain_backward + 6 * layers, "full checkpointing recomputes a block's products"
@@ -87,8 +98,7 @@ def test_full_checkpointing_runs_every_block_product_again_and_selective_none(ru
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_checkpointing_leaves_the_gradients_as_they_were(runs, policy):
-    _, _, plain = runs[None]
-    _, _, grads = runs[policy]
+    plain, grads = runs[None].grads, runs[policy].grads
     assert grads.keys() == plain.keys()
     for name, g in plain.items():
         torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
@@ -113,3 +123,11 @@ def test_the_policy_is_spelled_in_the_strategy_options():
     )
     with pytest.raises(ValueError, match="activationCheckpointingPolicy"):
         Config.model_validate({"strategy": {"fsdp": {"activationCheckpointingPolicy": "some"}}})
+
+
+def test_selective_checkpointing_keeps_attentions_output_on_the_cpu_kernel_too(runs):
+    """On CPU (gloo runs) attention is `_scaled_dot_product_flash_attention_for_cpu`: selective checkpointing
+    keeps its output as it does the GPU kernels', so backward never runs attention's forward again; full
+    checkpointing does, once per block."""
+    recomputed = {policy: run.attention_again for policy, run in runs.items()}
+    assert recomputed == {None: 0, "full": 2, "selective": 0}, recomputed

@@ -131,7 +131,8 @@ def _selective_context():
     attention = {
         getattr(aten, n).default
         for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+                  "_scaled_dot_product_flash_attention_for_cpu")  # the CPU fallback's kernel: the same rule
         if hasattr(aten, n)
     }  # fmt: skip
 

@@ -25,6 +25,7 @@ from localstack.cluster import ROOT
 CACHE = Path(os.environ.get("SHARDED_CACHE_DIR") or Path.home() / ".cache" / "sharded-training")
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 LAYER_REF = "containerd.io/gc.ref.content.l."  # a manifest's label that keeps one of its layers' blobs
+SNAPSHOT_REF = "containerd.io/gc.ref.snapshot."  # a config's label naming its unpacked chain, by snapshotter
 
 
 class Node(Protocol):
@@ -157,11 +158,24 @@ def manifest_digest(node: Node, ref: str) -> str | None:
 
 
 def has_image(node: Node, tag: str, image_id: str) -> bool:
-    """Whether the node's containerd holds this very build under `tag`: the image ID is its config's digest."""
+    """Whether the node's containerd holds this very build under `tag`, unpacked: the image ID is its config's
+    digest, and the config names the unpacked snapshot chain (an import that failed while unpacking leaves the
+    image's record without it: imported again, not taken as there)."""
     manifest = manifest_digest(node, containerd_ref(tag))
     if manifest is None:
         return False
-    return json.loads(node.ctr("content", "get", manifest).stdout)["config"]["digest"] == image_id
+    config = json.loads(node.ctr("content", "get", manifest).stdout)["config"]["digest"]
+    if config != image_id:
+        return False
+    labels = _labels(node, config)
+    chain = labels.get(f"{SNAPSHOT_REF}overlayfs")
+    return chain is not None and node.ctr("snapshots", "info", chain, check=False).returncode == 0
+
+
+def _labels(node: Node, digest: str) -> dict[str, str]:
+    line = next((line for line in node.ctr("content", "ls").stdout.splitlines() if line.startswith(digest)), "")
+    fields = line.split()
+    return dict(label.split("=", 1) for label in fields[-1].split(",") if "=" in label) if fields else {}
 
 
 def import_docker_images(nodes: Sequence[Node], tags: Sequence[str], log=print) -> None:
@@ -176,6 +190,8 @@ def import_docker_images(nodes: Sequence[Node], tags: Sequence[str], log=print) 
                 "build, nothing for one already there")  # fmt: skip
             _stream(tag, missing)
         for n in nodes:  # every node's: an import interrupted before this left its blobs
+            if not has_image(n, tag, image_id):
+                raise RuntimeError(f"{tag} ({image_id}) is not unpacked in {n.name}'s containerd after its import")
             discard_layers(n, manifest_digest(n, containerd_ref(tag)))
     for n in nodes:
         stale = [ref for ref in n.ctr("images", "ls", "-q").stdout.split() if ref.startswith("sha256:")
@@ -218,9 +234,7 @@ def discard_layers(node: Node, manifest: str) -> None:
     """Let go of an unpacked image's layer blobs: its manifest no longer references them for the garbage
     collector, and they are removed. What stays: the manifest, the config (which references the unpacked
     snapshot chain, and is all the CRI reads of an image) and the snapshots."""
-    labels = next((line.split()[-1] for line in node.ctr("content", "ls").stdout.splitlines()
-                   if line.startswith(manifest)), "")  # fmt: skip
-    layers = dict(label.split("=", 1) for label in labels.split(",") if label.startswith(LAYER_REF))
+    layers = {key: value for key, value in _labels(node, manifest).items() if key.startswith(LAYER_REF)}
     if layers:
         node.ctr("content", "label", manifest, *(f"{key}=" for key in layers))
         node.ctr("content", "rm", *layers.values())

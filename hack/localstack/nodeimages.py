@@ -167,12 +167,13 @@ def has_image(node: Node, tag: str, image_id: str) -> bool:
     config = json.loads(node.ctr("content", "get", manifest).stdout)["config"]["digest"]
     if config != image_id:
         return False
-    labels = _labels(node, config)
+    labels = image_labels(node, config)
     chain = labels.get(f"{SNAPSHOT_REF}overlayfs")
     return chain is not None and node.ctr("snapshots", "info", chain, check=False).returncode == 0
 
 
-def _labels(node: Node, digest: str) -> dict[str, str]:
+def image_labels(node: Node, digest: str) -> dict[str, str]:
+    """The labels containerd keeps on a blob of its content store (a manifest's, a config's)."""
     line = next((line for line in node.ctr("content", "ls").stdout.splitlines() if line.startswith(digest)), "")
     fields = line.split()
     return dict(label.split("=", 1) for label in fields[-1].split(",") if "=" in label) if fields else {}
@@ -234,7 +235,7 @@ def discard_layers(node: Node, manifest: str) -> None:
     """Let go of an unpacked image's layer blobs: its manifest no longer references them for the garbage
     collector, and they are removed. What stays: the manifest, the config (which references the unpacked
     snapshot chain, and is all the CRI reads of an image) and the snapshots."""
-    layers = {key: value for key, value in _labels(node, manifest).items() if key.startswith(LAYER_REF)}
+    layers = {key: value for key, value in image_labels(node, manifest).items() if key.startswith(LAYER_REF)}
     if layers:
         node.ctr("content", "label", manifest, *(f"{key}=" for key in layers))
         node.ctr("content", "rm", *layers.values())

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from localstack.nodeimages import PROBE_IMAGE, probe_image
+from localstack.nodeimages import PROBE_IMAGE, SNAPSHOT_REF, has_image, image_labels, manifest_digest, probe_image
 from localstack.realnode import CLUSTER_DOMAIN, TAINT, RealNode, kept_root, stop_node
 from sharded_api.contract import PodEnv
 from sharded_operator.api.models import LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB
@@ -202,7 +202,7 @@ def test_a_node_started_again_on_its_kept_root_drops_the_containers_an_unclean_s
     """A node's containerd root outlives the run (its images are kept), so whatever a node stopped without
     stop_node left in it (a machine reset, a launcher SIGKILLed with its children) is there at the next start:
     container records the kubelet would see through the CRI. The next start removes them before the kubelet
-    runs, and takes the kept root over from the dead owner."""
+    runs, and takes the kept root over from the dead owner. Its images are kept only unpacked."""
     first = RealNode(node.cluster, 4).start([probe_image()])
     kept = kept_root(first.name)
     assert int((kept / "owner").read_text()) == first.procs["containerd"].pid
@@ -215,6 +215,18 @@ def test_a_node_started_again_on_its_kept_root_drops_the_containers_an_unclean_s
     try:
         assert again.ctr("containers", "ls", "-q").stdout.split() == []
         assert int((kept / "owner").read_text()) == again.procs["containerd"].pid
+        # A kept image counts as there only unpacked: an import that failed while unpacking leaves the image's
+        # record and config without the label naming its snapshots, and the next run must import it again.
+        manifest = manifest_digest(again, PROBE_IMAGE)
+        config = json.loads(again.ctr("content", "get", manifest).stdout)["config"]["digest"]
+        assert has_image(again, PROBE_IMAGE, config) and not has_image(again, PROBE_IMAGE, "sha256:" + "0" * 64)
+        [(label, chain)] = [(k, v) for k, v in image_labels(again, config).items() if k.startswith(SNAPSHOT_REF)]
+        again.ctr("content", "label", config, f"{label}=")
+        try:
+            assert not has_image(again, PROBE_IMAGE, config)
+        finally:
+            again.ctr("content", "label", config, f"{label}={chain}")
+        assert has_image(again, PROBE_IMAGE, config)
     finally:
         again.stop()
         node.cluster.api("DELETE", f"/api/v1/nodes/{again.name}")

@@ -3,6 +3,8 @@
 # kubectl, kwok, helm), Kueue, the gang schedulers (Volcano, scheduler-plugins) and actionlint from Go
 # modules into a cache under $HOME. Each binary is cached under its own name and version
 # (hack/versions.env), so bumping one tool rebuilds only that tool.
+# `bash hack/build-binaries.sh kind` also builds what the kind node image needs (hack/kindnode.py): kind,
+# kubeadm, kube-proxy and local-path-provisioner; the suite does not.
 # Prints a directory of links to the binaries on the last line of stdout; progress goes to stderr.
 set -euo pipefail
 
@@ -29,9 +31,13 @@ declare -A version=(
   [vc-scheduler]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION [vc-controller-manager]=$VOLCANO_VERSION-apis-$VOLCANO_APIS_VERSION
   [coscheduler]=$SCHEDULER_PLUGINS_VERSION
   [coredns]=$COREDNS_VERSION-$(sha256sum "$here/coredns/main.go" | cut -c1-8)
+  [kind]=$KIND_VERSION [kubeadm]=$KUBERNETES_VERSION [kube-proxy]=$KUBERNETES_VERSION
+  [local-path-provisioner]=$LOCAL_PATH_PROVISIONER_VERSION
 )
 order=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet etcd kwok helm actionlint kueue
        vc-scheduler vc-controller-manager coscheduler coredns)
+extras=(kind kubeadm kube-proxy local-path-provisioner)
+if [ "${1:-}" = kind ]; then order+=("${extras[@]}"); fi
 
 missing=0
 for b in "${order[@]}"; do
@@ -180,6 +186,29 @@ if [ ! -d "$coscheduling_config" ]; then
   mv "$coscheduling_config.tmp" "$coscheduling_config"
 fi
 ln -sfn "$coscheduling_config" "$bin_dir/coscheduling-config"
+
+if [ "${1:-}" = kind ]; then
+  for b in kubeadm kube-proxy; do
+    build "$b" k8s.io/kubernetes "k8s.io/kubernetes/cmd/$b" "$ver"
+  done
+  build kind sigs.k8s.io/kind sigs.k8s.io/kind
+  build local-path-provisioner github.com/rancher/local-path-provisioner github.com/rancher/local-path-provisioner
+  # kind's node-image files (entrypoint, systemd units, containerd and kubelet settings), from the same module.
+  kind_files="$store/kind-files@$KIND_VERSION"
+  if [ ! -d "$kind_files" ]; then
+    src="$(cd "$(wrapper sigs.k8s.io/kind "$KIND_VERSION")" && go list -m -f '{{.Dir}}' sigs.k8s.io/kind)"
+    cp -R "$src/images/base/files" "$kind_files.tmp" && chmod -R u+w "$kind_files.tmp"
+    mv "$kind_files.tmp" "$kind_files"
+  fi
+  ln -sfn "$kind_files" "$bin_dir/kind-files"
+  lps="$store/local-path-storage@$LOCAL_PATH_PROVISIONER_VERSION.yaml"
+  if [ ! -f "$lps" ]; then
+    src="$(cd "$(wrapper github.com/rancher/local-path-provisioner "$LOCAL_PATH_PROVISIONER_VERSION")" \
+      && go list -m -f '{{.Dir}}' github.com/rancher/local-path-provisioner)"
+    cp "$src/deploy/local-path-storage.yaml" "$lps.tmp" && chmod u+w "$lps.tmp" && mv "$lps.tmp" "$lps"
+  fi
+  ln -sf "$lps" "$bin_dir/local-path-storage.yaml"
+fi
 
 [ "$missing" -eq 0 ] || log "all binaries ready"
 echo "$bin_dir"

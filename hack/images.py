@@ -84,14 +84,38 @@ def ensure_dockerd(timeout: float = 90) -> None:
         apt_install("docker.io")
     CACHE.mkdir(parents=True, exist_ok=True)
     out = open(CACHE / "dockerd.log", "ab")  # noqa: SIM115 - owned by the daemon
-    subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                     start_new_session=True)  # fmt: skip
+    subprocess.Popen(["dockerd", *dockerd_runtime_args()], stdout=out, stderr=subprocess.STDOUT,
+                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + timeout
     while not dockerd_running():
         if time.monotonic() > deadline:
             raise TimeoutError(f"dockerd did not answer within {timeout}s; see {CACHE / 'dockerd.log'}")
         time.sleep(0.5)
     log("dockerd started")
+
+
+CAPFILTER = ROOT / "hack" / "kind" / "runc-capfilter"
+
+
+def bounding_set_complete() -> bool:
+    """Whether this host's capability bounding set holds every capability the kernel knows, as
+    `docker run --privileged` (kind's nodes) needs runc to grant."""
+    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    status = Path("/proc/self/status").read_text()
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapBnd:"))
+    return mask == (1 << (last + 1)) - 1
+
+
+def dockerd_runtime_args() -> list[str]:
+    """dockerd's runtime flags: runc through hack/kind/runc-capfilter where the bounding set is short (else
+    every privileged container fails to start), plain runc elsewhere. The filter's copy in the cache outlives
+    the checkout that started the daemon."""
+    if bounding_set_complete():
+        return []
+    runtime = CACHE / "runc-capfilter"
+    shutil.copyfile(CAPFILTER, runtime)
+    runtime.chmod(0o755)
+    return ["--add-runtime", f"capfilter={runtime}", "--default-runtime", "capfilter"]
 
 
 def _image_label(tag: str, label: str) -> str | None:
@@ -101,27 +125,44 @@ def _image_label(tag: str, label: str) -> str | None:
 
 def base_image() -> str:
     """Debian bookworm with Python 3.11 (`python` on PATH, venv available), keyed on its recipe."""
-    recipe = hashlib.sha256(" ".join([DEBIAN_MIRROR, *BASE_PACKAGES]).encode()).hexdigest()[:12]
-    tag = f"sharded-local/python:3.11-bookworm-{recipe}"
+
+    def python_on_path(rootfs: Path) -> None:
+        (rootfs / "usr/local/bin/python").symlink_to("/usr/bin/python3")
+
+    return debootstrap_image("sharded-local/python:3.11-bookworm", BASE_PACKAGES, ['CMD ["python"]'], python_on_path)
+
+
+def debootstrap_image(name: str, packages: list[str], changes: list[str], prepare=None) -> str:
+    """A Debian bookworm image made by debootstrap with `packages` and `docker import`ed with the Dockerfile
+    `changes`, tagged `name-<recipe>` and made again only when the mirror or the packages change;
+    `prepare(rootfs)` edits the tree first."""
+    recipe = hashlib.sha256(" ".join([DEBIAN_MIRROR, *packages]).encode()).hexdigest()[:12]
+    tag = f"{name}-{recipe}"
     if _image_label(tag, "sharded.recipe") == recipe:
         return tag
     if shutil.which("debootstrap") is None:
         apt_install("debootstrap")
     started = time.monotonic()
-    log(f"making the base image {tag} with debootstrap (first time only, about 3 minutes)")
+    log(f"making the image {tag} with debootstrap (first time only, about 3 minutes)")
     with tempfile.TemporaryDirectory(prefix="sharded-base-") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", "bookworm",
+        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", "bookworm",
                         str(rootfs), DEBIAN_MIRROR], check=True, capture_output=True)  # fmt: skip
-        (rootfs / "usr/local/bin/python").symlink_to("/usr/bin/python3")
+        if prepare is not None:
+            prepare(rootfs)
         shutil.rmtree(rootfs / "var/lib/apt/lists", ignore_errors=True)
         (rootfs / "var/lib/apt/lists").mkdir()
-        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        docker("import", "--change", f"LABEL sharded.recipe={recipe}", "--change", 'CMD ["python"]', "-", tag,
-               stdin=tar.stdout)  # fmt: skip
-        tar.wait()
-    log(f"base image made in {time.monotonic() - started:.0f}s")
+        import_rootfs(rootfs, tag, [f"LABEL sharded.recipe={recipe}", *changes])
+    log(f"{tag} made in {time.monotonic() - started:.0f}s")
     return tag
+
+
+def import_rootfs(rootfs: Path, tag: str, changes: list[str]) -> None:
+    """The directory tree `rootfs` as the one-layer image `tag`, with the Dockerfile instructions `changes`."""
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    docker("import", *(arg for change in changes for arg in ("--change", change)), "-", tag, stdin=tar.stdout)
+    if tar.wait() != 0:
+        raise RuntimeError(f"tar of {rootfs} failed")
 
 
 def _normalize(name: str) -> str:

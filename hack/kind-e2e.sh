@@ -2,11 +2,15 @@
 # The kind end-to-end flow (what .github/workflows/e2e-kind.yaml runs), for anyone with Docker:
 # create a kind cluster, build and load both images, install the chart, apply the CPU quickstart,
 # wait for Succeeded, show the checkpoint files; dump logs and events on failure.
+# `make kind-e2e` runs it here through hack/kindnode.py, which sets KIND_NODE_IMAGE and KIND_CONFIG (a node
+# image made locally), BUILD_IMAGES=0 (the images hack/images.py built) and KIND_DELETE=1.
 set -euo pipefail
 
 cluster="${KIND_CLUSTER:-sharded-e2e}"
 ns="${JOB_NAMESPACE:-default}"
 version="0.1.0"
+operator_image="${OPERATOR_IMAGE:-sharded-training/operator:$version}"
+trainer_image="${TRAINER_IMAGE:-sharded-training/trainer:$version}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
@@ -23,18 +27,25 @@ diagnostics() {
 on_exit() {
   local rc=$?
   [ "$rc" -eq 0 ] || diagnostics
+  # The cluster holds a copy of the trainer image (GBs): gone with the cluster where asked.
+  [ "${KIND_DELETE:-0}" != 1 ] || kind delete cluster --name "$cluster" >&2 || true
   exit "$rc"
 }
 trap on_exit EXIT
 
 echo "::group::kind cluster"
-kind get clusters | grep -qx "$cluster" || kind create cluster --name "$cluster" --wait 120s
+create=(kind create cluster --name "$cluster" --wait 180s)
+[ -z "${KIND_NODE_IMAGE:-}" ] || create+=(--image "$KIND_NODE_IMAGE")
+[ -z "${KIND_CONFIG:-}" ] || create+=(--config "$KIND_CONFIG")
+kind get clusters | grep -qx "$cluster" || "${create[@]}"
 echo "::endgroup::"
 
 echo "::group::images"
-docker build -f operator/Dockerfile -t "sharded-training/operator:$version" .
-docker build -f trainer/Dockerfile -t "sharded-training/trainer:$version" .
-kind load docker-image --name "$cluster" "sharded-training/operator:$version" "sharded-training/trainer:$version"
+if [ "${BUILD_IMAGES:-1}" != 0 ]; then
+  docker build -f operator/Dockerfile -t "$operator_image" .
+  docker build -f trainer/Dockerfile -t "$trainer_image" .
+fi
+kind load docker-image --name "$cluster" "$operator_image" "$trainer_image"
 echo "::endgroup::"
 
 echo "::group::chart"
@@ -53,9 +64,10 @@ kubectl -n "$ns" get stj quickstart -o wide
 echo "::endgroup::"
 
 echo "::group::checkpoints"
-kubectl -n "$ns" run ckpt-ls --restart=Never --image=busybox:1.36 \
+# The trainer image lists them: it is on the node already, and nothing is pulled.
+kubectl -n "$ns" run ckpt-ls --restart=Never --image="$trainer_image" --image-pull-policy=Never \
   --overrides='{"spec":{"volumes":[{"name":"c","persistentVolumeClaim":{"claimName":"quickstart-checkpoints"}}],
-    "containers":[{"name":"ls","image":"busybox:1.36","command":["ls","-lR","/c"],
+    "containers":[{"name":"ls","image":"'"$trainer_image"'","imagePullPolicy":"Never","command":["ls","-lR","/c"],
     "volumeMounts":[{"name":"c","mountPath":"/c"}]}]}}'
 kubectl -n "$ns" wait pod/ckpt-ls --for=jsonpath='{.status.phase}'=Succeeded --timeout=2m
 kubectl -n "$ns" logs ckpt-ls

@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 VENV_STAMP := .venv/.deps
 
-.PHONY: help lock setup binaries images deps test test-quick test-unit lint crds cluster-up cluster-down demo clean soak
+.PHONY: help lock setup binaries images deps test test-quick test-unit lint crds cluster-up cluster-down demo clean soak kind-e2e
 
 help:
 	@echo "make demo    - run the CPU quickstart job end to end on the local cluster"
@@ -16,6 +16,8 @@ help:
 	@echo "make cluster-up / cluster-down - a local control plane with KWOK GPU nodes, for kubectl"
 	@echo "                 (REAL_NODES=2 adds nodes run by the real kubelet and containerd; needs root;"
 	@echo "                 REAL_TRAINER=1 also puts the trainer image in them, so jobs train there)"
+	@echo "make kind-e2e - hack/kind-e2e.sh (users' CI: kind, the chart, the CPU quickstart to Succeeded) on a"
+	@echo "                 kind node image made here (hack/kindnode.py; needs root and Docker); KIND_DELETE=0 keeps it"
 
 $(VENV_STAMP): pyproject.toml requirements/lock.txt hack/setup-env.sh hack/lock.py
 	@bash hack/setup-env.sh
@@ -85,6 +87,12 @@ cluster-up: setup binaries
 
 cluster-down: setup
 	@PYTHONPATH=hack $(PY) -m localstack down --dir .cluster
+
+# kind as users' CI runs it (hack/kind-e2e.sh, .github/workflows/e2e-kind.yaml), on a node image made here
+# without a registry (hack/kindnode.py). Not part of `make test`: a 6 GB trainer image loaded into a new
+# cluster each time does not fit the suite's budget.
+kind-e2e: setup
+	@$(PY) hack/kindnode.py e2e
 
 demo: setup binaries
 	@PYTHONPATH=hack $(PY) hack/demo.py $(ARGS)

@@ -56,8 +56,9 @@ echo "::endgroup::"
 
 echo "::group::quickstart"
 # kind's default storage is node-local (ReadWriteOnce) and a CI runner has few cores: adjust the
-# example accordingly rather than keep a second copy of it.
-sed -e 's/accessModes: \[ReadWriteMany\]/accessModes: [ReadWriteOnce]/' -e 's/cpu: 2$/cpu: 500m/' \
+# example accordingly rather than keep a second copy of it. The control plane asks for 1.2 CPUs of the
+# node's, beside the rendezvous pod's 0.25: on a 2-core machine each training pod may ask for 0.25 at most.
+sed -e 's/accessModes: \[ReadWriteMany\]/accessModes: [ReadWriteOnce]/' -e "s/cpu: 2\$/cpu: ${QUICKSTART_CPU:-500m}/" \
   examples/quickstart-cpu.yaml | kubectl -n "$ns" apply -f -
 kubectl -n "$ns" wait stj/quickstart --for=jsonpath='{.status.phase}'=Succeeded --timeout=15m
 kubectl -n "$ns" get stj quickstart -o wide

@@ -260,6 +260,12 @@ def node_image(bin_dir: Path) -> str:
         )
         images.docker("build", "-q", "-t", tag, "-f", str(state / "Dockerfile"), str(state / "empty"))
         images.docker("rmi", f"{tag}-tree")
+    # Earlier builds go: each node image is a single layer of GBs that shares nothing with the next.
+    for name in [f"{REPO}/kind-node", f"{REPO}/kind-components"]:
+        old = images.docker("images", "--format", "{{.Repository}}:{{.Tag}}", name).stdout.split()
+        stale = [t for t in old if t not in (tag, components)]
+        if stale:
+            images.docker("rmi", *stale, check=False)
     log(f"node image made in {time.monotonic() - started:.0f}s")
     return tag
 
@@ -305,7 +311,10 @@ def main(argv: list[str]) -> int:
     built = images.build_all()
     env = {**os.environ, "KIND_NODE_IMAGE": image, "KIND_CONFIG": str(config), "BUILD_IMAGES": "0",
            "KIND_DELETE": os.environ.get("KIND_DELETE", "1"), "OPERATOR_IMAGE": built["operator"],
-           "TRAINER_IMAGE": built["trainer"], "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+           "TRAINER_IMAGE": built["trainer"], "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           # One kind node on this machine's cores: what is left after the control plane, for two pods.
+           "QUICKSTART_CPU": os.environ.get("QUICKSTART_CPU", "250m" if (os.cpu_count() or 1) <= 2 else "500m"),
+           }  # fmt: skip
     return subprocess.run(["bash", str(HACK / "kind-e2e.sh")], env=env, cwd=ROOT).returncode
 
 

@@ -9,4 +9,7 @@ schedulers, and three kinds of node, each for the tiers that need what it gives:
 - real nodes (realnode.py, nodeimages.py): the kubelet and containerd themselves; the realnode tier, for what
   only the kubelet decides (volumes, security contexts, tokens, signals, exit codes, the log, exec and
   port-forward streams, cluster DNS and the pod network) and whole trainer jobs across two such nodes.
+
+kind (hack/kindnode.py, `make kind-e2e`) is apart from the stack and from `make test`: the flow users' CI
+runs, where kubeadm sets the cluster up and kube-proxy routes Services.
 """

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -324,26 +325,29 @@ class LocalCluster:
             },
         )
 
-    def add_volume(self, name: str, size: str = "100Gi") -> None:
-        """A pre-provisioned hostPath PersistentVolume: claims without a storage class bind to these."""
+    def add_volume(self, name: str, size: str = "100Gi", *, nodes: Sequence[str] = (),
+                   claim: tuple[str, str] | None = None) -> Path:  # fmt: skip
+        """A pre-provisioned PersistentVolume, a directory of this host's, returned: hostPath, which claims
+        without a storage class bind to; with `nodes`, a `local` volume only those (real) nodes mount, to which
+        the kubelet's local-volume plugin applies the pod's fsGroup as it does on a cluster. `claim`
+        (namespace, name) reserves it for that claim."""
         path = self.workdir / "volumes" / name
         path.mkdir(parents=True, exist_ok=True)
-        self.api(
-            "POST",
-            "/api/v1/persistentvolumes",
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolume",
-                "metadata": {"name": name, "labels": {"local.sharded.dev/pool": "static"}},
-                "spec": {
-                    "capacity": {"storage": size},
-                    "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
-                    "persistentVolumeReclaimPolicy": "Retain",
-                    "storageClassName": "",
-                    "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
-                },
-            },
-        )
+        spec: dict = {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
+                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": ""}  # fmt: skip
+        if nodes:
+            spec["local"] = {"path": str(path)}
+            spec["nodeAffinity"] = {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": list(nodes)}]}]}}  # fmt: skip
+        else:
+            spec["hostPath"] = {"path": str(path), "type": "DirectoryOrCreate"}
+        if claim is not None:
+            spec["claimRef"] = {"namespace": claim[0], "name": claim[1]}
+        self.api("POST", "/api/v1/persistentvolumes", {
+            "apiVersion": "v1", "kind": "PersistentVolume",
+            "metadata": {"name": name, "labels": {"local.sharded.dev/pool": "static"}}, "spec": spec,
+        })  # fmt: skip
+        return path
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

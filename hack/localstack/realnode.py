@@ -73,6 +73,16 @@ def ensure_node_bridge() -> None:
         _run("iptables", "-I", *rule)
 
 
+def bridge_address(ip: str, present: bool = True) -> None:
+    """Give `ip` (a /32) to this host on the host-only bridge, or take it away: how the nodes, cluster DNS and
+    anything else the pods must reach get an address that only this machine and its pods can reach."""
+    if present:
+        ensure_node_bridge()
+        _run("ip", "addr", "replace", f"{ip}/32", "dev", NODE_BRIDGE)
+    else:
+        _run("ip", "addr", "del", f"{ip}/32", "dev", NODE_BRIDGE, check=False)
+
+
 def ensure_cluster_dns(cluster: LocalCluster, timeout: float = 60) -> None:
     """CoreDNS serving the cluster domain from the API server on DNS_IP:53 (Services; a headless Service's pods
     by hostname and subdomain, which is how a job's pods find pod 0), started once per cluster and stopped with
@@ -80,8 +90,7 @@ def ensure_cluster_dns(cluster: LocalCluster, timeout: float = 60) -> None:
     pid_file, log = cluster.workdir / "pids" / "coredns", cluster.workdir / "logs" / "coredns.log"
     if pid_file.exists() and Path(f"/proc/{pid_file.read_text().strip()}").exists():
         return
-    ensure_node_bridge()
-    _run("ip", "addr", "replace", f"{DNS_IP}/32", "dev", NODE_BRIDGE)
+    bridge_address(DNS_IP)
     corefile = cluster.workdir / "Corefile"
     corefile.write_text(f"""{CLUSTER_DOMAIN}:53 {{
     bind {DNS_IP}
@@ -207,7 +216,7 @@ state = "{r}/containerd/state"
     def start(self, images: list[Path], timeout: float = 90) -> RealNode:
         ensure_packages()
         ensure_cluster_dns(self.cluster)
-        _run("ip", "addr", "replace", f"{self.ip}/32", "dev", NODE_BRIDGE)
+        bridge_address(self.ip)
         self.root.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
         with _claim_lock(self.name):
@@ -287,7 +296,7 @@ def stop_node(workdir: Path, root: Path) -> None:
         _run("umount", "-l", mount, check=False)
     _run("ip", "link", "delete", f"cni-{name}", check=False)
     index = name.rsplit("-", 1)[-1]
-    _run("ip", "addr", "del", f"10.201.0.{index}/32", "dev", NODE_BRIDGE, check=False)
+    bridge_address(f"10.201.0.{index}", present=False)
 
 
 def kept_root(name: str) -> Path:

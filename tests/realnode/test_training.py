@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from localstack.nodeimages import import_docker_images
-from localstack.realnode import NODE_BRIDGE, TAINT, RealNode
+from localstack.realnode import TAINT, RealNode, bridge_address
 from sharded_api.contract import PodEnv
 from sharded_operator.api.models import GROUP, LABEL_ATTEMPT, LABEL_INDEX, LABEL_JOB, PLURAL, VERSION
 from sharded_trainer.checkpoint.manager import committed_steps
@@ -51,32 +51,20 @@ def operator(nodes, tmp_path_factory):
     from localstack.stack import OperatorProcess, install_crd
 
     cluster = nodes[0].cluster
-    subprocess.run(["ip", "addr", "replace", f"{OPERATOR_IP}/32", "dev", NODE_BRIDGE], check=True)
+    bridge_address(OPERATOR_IP)
     install_crd(cluster.kubeconfig)
     op = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log", host=OPERATOR_IP,
                          RESTART_GRACE_SECONDS="10").start()  # fmt: skip
     yield op
     op.stop()
-    subprocess.run(["ip", "addr", "del", f"{OPERATOR_IP}/32", "dev", NODE_BRIDGE], check=False)
+    bridge_address(OPERATOR_IP, present=False)
 
 
 def local_volume(nodes: tuple[RealNode, ...], namespace: str, claim: str) -> Path:
     """A `local` PersistentVolume for the job's checkpoint claim, reachable from both nodes (one host's
     directory); the kubelet's local-volume plugin applies the pod's fsGroup to it, as it does on a cluster."""
-    cluster = nodes[0].cluster
-    path = cluster.workdir / "volumes" / f"{namespace}-{claim}"
-    path.mkdir(parents=True)
-    cluster.api("POST", "/api/v1/persistentvolumes", {
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{namespace}-{claim}"},
-        "spec": {
-            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-            "persistentVolumeReclaimPolicy": "Retain", "claimRef": {"namespace": namespace, "name": claim},
-            "local": {"path": str(path)},
-            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                {"key": HOSTNAME, "operator": "In", "values": [n.name for n in nodes]}]}]}},
-        },
-    })  # fmt: skip
-    return path
+    return nodes[0].cluster.add_volume(f"{namespace}-{claim}", "1Gi", nodes=[n.name for n in nodes],
+                                       claim=(namespace, claim))  # fmt: skip
 
 
 def real_job(name: str, strategy: str, steps: int, nodes: tuple[RealNode, ...], image: str) -> dict:

@@ -170,3 +170,18 @@ def test_the_cluster_configuration_points_kubeadm_at_the_local_images(monkeypatc
     assert ("KubeletConfiguration" in patches) == (not os.path.exists("/sys/fs/cgroup/cgroup.controllers"))
     oom = "restrict_oom_score_adj = true" in "".join(config.get("containerdConfigPatches", []))
     assert oom == short_set
+
+
+def test_kind_stops_before_any_cluster_when_dockerd_cannot_run_privileged_containers(monkeypatch):
+    """A dockerd started by something else, without the filter, on a host whose bounding set is short: every
+    kind node would fail in runc, so the run stops first, saying what to do."""
+    monkeypatch.setattr(images, "ensure_dockerd", lambda: None)
+    monkeypatch.setattr(images, "bounding_set_complete", lambda: False)
+    monkeypatch.setattr(images, "docker", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout="runc\n"))
+    with pytest.raises(SystemExit, match="default runtime is 'runc': stop dockerd and run this again"):
+        kindnode.ensure_privileged_runs()
+    monkeypatch.setattr(images, "docker", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout="capfilter\n"))
+    kindnode.ensure_privileged_runs()  # the filter in place: on to the cluster
+    monkeypatch.setattr(images, "bounding_set_complete", lambda: True)
+    monkeypatch.setattr(images, "docker", lambda *a, **k: pytest.fail("a complete set needs no runtime check"))
+    kindnode.ensure_privileged_runs()

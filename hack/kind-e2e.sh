@@ -62,6 +62,14 @@ sed -e 's/accessModes: \[ReadWriteMany\]/accessModes: [ReadWriteOnce]/' -e "s/cp
   examples/quickstart-cpu.yaml | kubectl -n "$ns" apply -f -
 kubectl -n "$ns" wait stj/quickstart --for=jsonpath='{.status.phase}'=Succeeded --timeout=15m
 kubectl -n "$ns" get stj quickstart -o wide
+# The trainer's progress reports reach the operator through its Service (cluster DNS, then kube-proxy):
+# status.progress holds the last step.
+step="$(kubectl -n "$ns" get stj quickstart -o jsonpath='{.status.progress.step}')"
+want="$(kubectl -n "$ns" get stj quickstart -o jsonpath='{.spec.trainer.steps}')"
+if [ "$step" != "$want" ]; then
+  echo "status.progress.step is '$step', not $want: progress reports did not reach the operator" >&2
+  exit 1
+fi
 echo "::endgroup::"
 
 echo "::group::checkpoints"

@@ -16,7 +16,8 @@ is reachable here, so this makes an image with the same layout from what is:
   local-path-provisioner's own manifest as the default StorageClass `standard`.
 
 The cluster needs the kind configuration written next to it (kubeadm's image repository and the tags of the
-etcd and CoreDNS builds; on a cgroup v1 host, the kubelet told to run there). The image is keyed by all of its
+etcd and CoreDNS builds; on a cgroup v1 host, the kubelet told to run there; where the host withholds
+CAP_SYS_RESOURCE, containerd told not to lower OOM scores). The image is keyed by all of its
 inputs and made once. Usage: `python hack/kindnode.py e2e` (what `make kind-e2e` runs), or `python
 hack/kindnode.py image` to print the image and configuration only.
 """
@@ -80,7 +81,7 @@ def ensure_privileged_runs() -> None:
         )
 
 
-def tags(bin_dir: Path) -> dict[str, str]:
+def tags() -> dict[str, str]:
     """The image names kubeadm will ask for, through the cluster configuration's repository and tags."""
     etcd = VERSIONS["ETCD_VERSION"].lstrip("v")
     out = {name: f"{REPO}/{name}:{K8S}" for name in CONTROL_PLANE}
@@ -111,7 +112,7 @@ def components_image(base: str, bin_dir: Path, key: str) -> str:
             f'FROM {base}\nCOPY {" ".join(COMPONENT_BINARIES)} /usr/local/bin/\nENTRYPOINT ["/usr/local/bin/coredns"]\n'
         )
         images.docker("build", "-q", "-t", tag, tmp)
-    for name in tags(bin_dir).values():
+    for name in tags().values():
         images.docker("tag", tag, name)
     return tag
 
@@ -214,11 +215,11 @@ class ScratchContainerd:
         self.proc.wait(timeout=30)
 
 
-def unpack_images(rootfs: Path, state: Path, components: str, bin_dir: Path) -> None:
+def unpack_images(rootfs: Path, state: Path, components: str) -> None:
     node = ScratchContainerd(rootfs / "var/lib/containerd", state)
     try:
         node.ctr("images", "import", str(nodeimages.pause_image()))
-        save = subprocess.Popen(["docker", "save", components, *tags(bin_dir).values()], stdout=subprocess.PIPE)
+        save = subprocess.Popen(["docker", "save", components, *tags().values()], stdout=subprocess.PIPE)
         subprocess.run([*node.ctr_argv(), "images", "import", "-"], stdin=save.stdout, check=True,
                        capture_output=True)  # fmt: skip
         if save.wait() != 0:
@@ -251,7 +252,7 @@ def node_image(bin_dir: Path) -> str:
             images.docker("rm", container)
         prepare_node(rootfs, bin_dir)
         manifests(rootfs, bin_dir, components)
-        unpack_images(rootfs, state, components, bin_dir)
+        unpack_images(rootfs, state, components)
         images.import_rootfs(rootfs, f"{tag}-tree", [])
         # `docker import` takes no STOPSIGNAL (systemd halts cleanly on SIGRTMIN+3): a build adds it.
         (state / "Dockerfile").write_text(
@@ -270,11 +271,11 @@ def node_image(bin_dir: Path) -> str:
     return tag
 
 
-def cluster_config(bin_dir: Path, key: str) -> Path:
+def cluster_config(key: str) -> Path:
     """kind's cluster configuration for the node image: one control-plane node; kubeadm told where the
     images are; on a cgroup v1 host, the kubelet allowed to run there (it refuses by default since 1.35); on
     a host whose bounding set is short, containerd kept from lowering OOM scores."""
-    t = tags(bin_dir)
+    t = tags()
     patches = [
         "kind: ClusterConfiguration\n"
         f"imageRepository: {REPO}\n"
@@ -304,7 +305,7 @@ def main(argv: list[str]) -> int:
     ensure_privileged_runs()
     bin_dir = binaries()
     image = node_image(bin_dir)
-    config = cluster_config(bin_dir, recipe(bin_dir))
+    config = cluster_config(recipe(bin_dir))
     print(f"KIND_NODE_IMAGE={image}\nKIND_CONFIG={config}")
     if argv[0] == "image":
         return 0

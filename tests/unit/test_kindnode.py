@@ -160,7 +160,7 @@ def test_a_provisioner_manifest_that_changed_shape_stops_the_build_naming_what_i
 def test_the_cluster_configuration_points_kubeadm_at_the_local_images(monkeypatch, tmp_path, short_set):
     monkeypatch.setattr(images, "CACHE", tmp_path)
     monkeypatch.setattr(images, "bounding_set_complete", lambda: not short_set)
-    config = yaml.safe_load(kindnode.cluster_config(tmp_path, "key").read_text())
+    config = yaml.safe_load(kindnode.cluster_config("key").read_text())
     assert config["kind"] == "Cluster" and config["nodes"] == [{"role": "control-plane"}]
     patches = {p["kind"]: p for p in map(yaml.safe_load, config["kubeadmConfigPatches"])}
     cluster = patches["ClusterConfiguration"]

@@ -95,6 +95,7 @@ def ensure_dockerd(timeout: float = 90) -> None:
 
 
 CAPFILTER = ROOT / "hack" / "kind" / "runc-capfilter"
+CAPFILTER_RUNTIME = "capfilter"  # its name among dockerd's runtimes
 
 
 def bounding_set_complete() -> bool:
@@ -115,7 +116,7 @@ def dockerd_runtime_args() -> list[str]:
     runtime = CACHE / "runc-capfilter"
     shutil.copyfile(CAPFILTER, runtime)
     runtime.chmod(0o755)
-    return ["--add-runtime", f"capfilter={runtime}", "--default-runtime", "capfilter"]
+    return ["--add-runtime", f"{CAPFILTER_RUNTIME}={runtime}", "--default-runtime", CAPFILTER_RUNTIME]
 
 
 def _image_label(tag: str, label: str) -> str | None:

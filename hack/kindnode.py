@@ -73,7 +73,7 @@ def ensure_privileged_runs() -> None:
     if images.bounding_set_complete():
         return
     runtime = images.docker("info", "--format", "{{.DefaultRuntime}}").stdout.strip()
-    if runtime != "capfilter":
+    if runtime != images.CAPFILTER_RUNTIME:
         raise SystemExit(
             "error: this host's capability bounding set lacks capabilities that `docker run --privileged` asks "
             f"for, and dockerd's default runtime is {runtime!r}: stop dockerd and run this again, which starts "
